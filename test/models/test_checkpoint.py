@@ -1,0 +1,237 @@
+"""Checkpoint loading in the public layouts: round trips, and every refusal the loader promises."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from vla_runtime.models.checkpoint import (
+    CheckpointError,
+    checkpoint_files,
+    content_hash,
+    infer_config,
+    layout_groups,
+    load_checkpoint,
+    read_tensor_index,
+    save_checkpoint,
+    unused_keys,
+    validate,
+)
+from vla_runtime.models.config import preset
+from vla_runtime.models.pi05 import Pi05Model, init_random_
+
+WEIGHTS = "model.safetensors"
+Q_KEY = "model.paligemma_with_expert.paligemma.model.language_model.layers.0.self_attn.q_proj.weight"
+
+
+@pytest.fixture(scope="module")
+def tiny_model() -> Pi05Model:
+    m = init_random_(Pi05Model(preset("pi05-tiny")), seed=1)
+    m.setup_caches(1)
+    return m
+
+
+@pytest.fixture()
+def ckpt(tmp_path: Path, tiny_model: Pi05Model) -> Path:
+    return save_checkpoint(tiny_model, tmp_path / "ckpt")
+
+
+def _inputs(cfg):
+    g = torch.Generator().manual_seed(0)
+    s = cfg.vision.image_size
+    tokens = torch.randint(0, cfg.vocab_size, (1, cfg.max_token_len), generator=g)
+    mask = torch.zeros(1, cfg.max_token_len, dtype=torch.bool)
+    mask[0, :9] = True
+    return (torch.rand(1, cfg.num_cameras, 3, s, s, generator=g) * 2 - 1,
+            torch.ones(1, cfg.num_cameras, dtype=torch.bool), tokens, mask,
+            torch.randn(1, cfg.chunk_size, cfg.action_dim, generator=g))
+
+
+@pytest.mark.parametrize("layout", ["lerobot", "openpi"])
+def test_round_trip_gives_identical_actions(tmp_path: Path, tiny_model: Pi05Model, layout: str):
+    path = save_checkpoint(tiny_model, tmp_path / layout, layout=layout)
+    ck = load_checkpoint(path)
+    assert ck.layout == layout
+    assert ck.content_hash.startswith("sha256:") and len(ck.content_hash) == 7 + 64
+    ck.model.setup_caches(1)
+    x = _inputs(tiny_model.cfg)
+    with torch.no_grad():
+        assert torch.equal(ck.model.sample_actions(*x), tiny_model.sample_actions(*x))
+
+
+def test_public_layout_has_unfused_keys(ckpt: Path):
+    keys = set(load_file(str(ckpt / WEIGHTS)))
+    assert Q_KEY in keys
+    assert Q_KEY.replace("q_proj", "k_proj") in keys
+    assert "model.paligemma_with_expert.gemma_expert.model.layers.0.mlp.gate_proj.weight" in keys
+    assert "model.paligemma_with_expert.gemma_expert.model.layers.0.input_layernorm.dense.weight" in keys
+    assert not any("qkv" in k or "gate_up" in k for k in keys)
+
+
+def test_loads_bf16_checkpoint_into_fp32(tmp_path: Path, ckpt: Path, tiny_model: Pi05Model):
+    tensors = {k: v.to(torch.bfloat16) for k, v in load_file(str(ckpt / WEIGHTS)).items()}
+    out = tmp_path / "bf16"
+    out.mkdir()
+    save_file(tensors, str(out / WEIGHTS))
+    (out / "config.json").write_text((ckpt / "config.json").read_text())
+    ck = load_checkpoint(out)
+    p = ck.model.vlm_layers[0].attn.qkv_weight
+    assert p.dtype == torch.float32
+    ref = tiny_model.vlm_layers[0].attn.qkv_weight
+    torch.testing.assert_close(p, ref.to(torch.bfloat16).float())
+
+
+def test_content_hash_tracks_the_bytes(tmp_path: Path, ckpt: Path):
+    h1 = content_hash(checkpoint_files(ckpt))
+    assert h1 == content_hash(checkpoint_files(ckpt))
+    tensors = load_file(str(ckpt / WEIGHTS))
+    tensors[Q_KEY][0, 0] += 1.0
+    save_file(tensors, str(ckpt / WEIGHTS))
+    assert content_hash(checkpoint_files(ckpt)) != h1
+
+
+def _rewrite(ckpt: Path, edit) -> None:
+    tensors = load_file(str(ckpt / WEIGHTS))
+    edit(tensors)
+    save_file(tensors, str(ckpt / WEIGHTS))
+
+
+def test_refuses_missing_tensor(ckpt: Path):
+    _rewrite(ckpt, lambda t: t.pop(Q_KEY))
+    with pytest.raises(CheckpointError, match=r"missing tensors \(1\):\s+paligemma_with_expert\..*layers\.0\.self_attn\.q_proj\.weight"):
+        load_checkpoint(ckpt)
+
+
+def test_refuses_unexpected_tensor(ckpt: Path):
+    _rewrite(ckpt, lambda t: t.__setitem__("model.state_proj.weight", torch.zeros(4, 4)))
+    with pytest.raises(CheckpointError, match=r"unexpected tensors \(1\):\s+state_proj\.weight"):
+        load_checkpoint(ckpt)
+
+
+def test_refuses_misshaped_tensor(ckpt: Path):
+    _rewrite(ckpt, lambda t: t.__setitem__(Q_KEY, t[Q_KEY][:-1].clone()))
+    with pytest.raises(CheckpointError, match=r"mis-shaped tensors \(1\):\s+.*q_proj\.weight: expected \(96, 96\), found \(95, 96\)"):
+        load_checkpoint(ckpt)
+
+
+def test_refuses_wrong_dtype(ckpt: Path):
+    _rewrite(ckpt, lambda t: t.__setitem__(Q_KEY, t[Q_KEY].to(torch.float64)))
+    with pytest.raises(CheckpointError, match=r"unsupported dtypes .*\n.*q_proj\.weight: F64"):
+        load_checkpoint(ckpt)
+
+
+@pytest.mark.parametrize("cut", [4, 100, 5000])
+def test_refuses_truncated_file(ckpt: Path, cut: int):
+    data = (ckpt / WEIGHTS).read_bytes()
+    (ckpt / WEIGHTS).write_bytes(data[: len(data) - cut] if cut > 8 else data[:cut])
+    with pytest.raises(CheckpointError, match="truncated file"):
+        load_checkpoint(ckpt)
+
+
+def test_refuses_corrupt_header(ckpt: Path):
+    data = bytearray((ckpt / WEIGHTS).read_bytes())
+    data[10:20] = b"\x00" * 10
+    (ckpt / WEIGHTS).write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="corrupt safetensors header"):
+        load_checkpoint(ckpt)
+
+
+def test_refuses_missing_files(tmp_path: Path):
+    with pytest.raises(CheckpointError, match="no such checkpoint"):
+        load_checkpoint(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="no model.safetensors"):
+        load_checkpoint(tmp_path / "empty")
+
+
+def test_sharded_checkpoint(tmp_path: Path, ckpt: Path, tiny_model: Pi05Model):
+    tensors = load_file(str(ckpt / WEIGHTS))
+    keys = sorted(tensors)
+    half = len(keys) // 2
+    out = tmp_path / "sharded"
+    out.mkdir()
+    shards = {"model-00001-of-00002.safetensors": keys[:half], "model-00002-of-00002.safetensors": keys[half:]}
+    for name, ks in shards.items():
+        save_file({k: tensors[k] for k in ks}, str(out / name))
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {k: name for name, ks in shards.items() for k in ks}}))
+    (out / "config.json").write_text((ckpt / "config.json").read_text())
+    ck = load_checkpoint(out)
+    torch.testing.assert_close(ck.model.embed_tokens.weight, tiny_model.embed_tokens.weight)
+    (out / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="shards listed in the index are missing"):
+        load_checkpoint(out)
+
+
+def _header_only_checkpoint(path: Path, shapes: dict[str, tuple[int, ...]]) -> None:
+    """A safetensors file with a real header and a sparse (all-zero, no disk) payload."""
+    header, offset = {}, 0
+    for k, s in shapes.items():
+        n = 4
+        for d in s:
+            n *= d
+        header[k] = {"dtype": "F32", "shape": list(s), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with path.open("wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.truncate(8 + len(raw) + offset)
+
+
+def test_full_size_layout_matches_lerobot_reference(tmp_path: Path):
+    """The full pi05 preset expects exactly LeRobot's 813 tensors and 4,143,404,816 elements
+    (shared/reference/pi05_lerobot_layout.txt), and the architecture is read back from a
+    LeRobot-style config.json plus the tensor shapes alone."""
+    cfg = preset("pi05")
+    shapes = {}
+    for grp in layout_groups(cfg):
+        shapes.update(zip(grp.public, grp.shapes))
+    shapes.update(unused_keys(cfg))
+    assert len(shapes) == 813
+    total = 0
+    for s in shapes.values():
+        n = 1
+        for d in s:
+            n *= d
+        total += n
+    assert total == 4_143_404_816
+
+    ckdir = tmp_path / "full"
+    ckdir.mkdir()
+    _header_only_checkpoint(ckdir / WEIGHTS, {"model." + k: s for k, s in shapes.items()})
+    cams = {f"observation.images.{c}": {"type": "VISUAL", "shape": [3, 224, 224]}
+            for c in ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")}
+    (ckdir / "config.json").write_text(json.dumps({
+        "type": "pi05", "paligemma_variant": "gemma_2b", "action_expert_variant": "gemma_300m",
+        "chunk_size": 50, "max_state_dim": 32, "max_action_dim": 32, "num_inference_steps": 10,
+        "tokenizer_max_length": 200, "input_features": {**cams, "observation.state": {"type": "STATE", "shape": [32]}},
+    }))
+    index, layout = read_tensor_index(checkpoint_files(ckdir))
+    assert layout == "lerobot"
+    inferred = infer_config(ckdir, index)
+    assert inferred == cfg
+    validate(inferred, index, ckdir)
+
+
+def test_reduced_depth_is_read_off_the_tensors(tmp_path: Path):
+    cfg = preset("pi05-d2")
+    shapes = {}
+    for grp in layout_groups(cfg):
+        shapes.update(zip(grp.public, grp.shapes))
+    shapes.update(unused_keys(cfg))
+    ckdir = tmp_path / "d2"
+    ckdir.mkdir()
+    _header_only_checkpoint(ckdir / WEIGHTS, shapes)  # openpi layout: no "model." prefix
+    (ckdir / "config.json").write_text(json.dumps({"input_features": {
+        f"observation.images.c{i}": {"type": "VISUAL", "shape": [3, 224, 224]} for i in range(3)}}))
+    index, layout = read_tensor_index(checkpoint_files(ckdir))
+    assert layout == "openpi"
+    got = infer_config(ckdir, index)
+    assert (got.vision.depth, got.vlm.depth, got.expert.depth) == (2, 2, 2)
+    assert got.retrieval_layer == 2

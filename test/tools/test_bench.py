@@ -1,0 +1,59 @@
+"""The benchmark tool's JSON (shape and sanity of the figures; never timing thresholds)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from vla_runtime.cli import main
+from vla_runtime.models.config import preset
+from vla_runtime.tools.bench import BenchSpec, run_bench
+from vla_runtime.tools.flops import denoise_flops, prefill_flops, vision_flops
+
+
+def test_bench_reports_phases_memory_and_efficiency():
+    r = run_bench(BenchSpec(preset="pi05-tiny", cameras=2, repeats=2, warmup=1, gemm_size=256), log=lambda m: None)
+    assert set(r["median_s"]) == {"vision", "prefill", "denoise", "total"}
+    assert len(r["all_s"]) == 2
+    for k in ("vision", "prefill", "denoise", "total"):
+        assert r["median_s"][k] > 0 and math.isfinite(r["fraction_of_gemm"][k])
+        assert r["useful_gflop"][k] > 0
+    assert r["gemm_gflops"] > 0 and r["peak_memory_mb"] > 0
+    assert r["config"]["prefix_tokens"] == 2 * preset("pi05-tiny").num_image_tokens + 64
+    json.dumps(r)  # serialisable
+
+
+def test_useful_flops_of_full_size_match_hand_count():
+    cfg = preset("pi05")
+    # Gemma-2B layer, one token: q 2048x2048, k/v 2x 2048x256, o 2048x2048, MLP 3x 2048x16384.
+    per_tok = 2 * (2048 * 2560 + 2048 * 2048 + 3 * 2048 * 16384)
+    p = 3 * 256 + 48
+    assert prefill_flops(cfg, p) == 17 * (p * per_tok + 4 * p * p * 2048) + p * 2 * 2048 * 512
+    assert vision_flops(cfg, 2) == 2 * vision_flops(cfg, 1)
+    assert denoise_flops(cfg, p) > 0 and denoise_flops(cfg, p + 100) > denoise_flops(cfg, p)
+
+
+def test_bench_spec_is_validated():
+    with pytest.raises(ValueError, match="dtype"):
+        BenchSpec(dtype="int8").validate()
+    with pytest.raises(ValueError, match="cameras"):
+        run_bench(BenchSpec(preset="pi05-tiny", cameras=5, repeats=1), log=lambda m: None)
+
+
+def test_cli_bench_writes_json(tmp_path: Path, capsys):
+    out = tmp_path / "b.json"
+    assert main(["bench", "--preset", "pi05-tiny", "--cameras", "1", "--repeats", "1", "--gemm-size", "128",
+                 "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["spec"]["cameras"] == 1 and data["median_s"]["total"] > 0
+
+
+def test_cli_inspect_and_refusal(tiny_checkpoint_dir: Path, tmp_path: Path, capsys):
+    assert main(["inspect", str(tiny_checkpoint_dir), "--hash"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["layout"] == "lerobot" and info["vlm_depth"] == 3 and info["content_hash"].startswith("sha256:")
+    assert main(["inspect", str(tmp_path / "missing")]) == 2
+    assert "no such checkpoint" in capsys.readouterr().err

@@ -1,0 +1,1 @@
+"""vla_runtime: a self-contained PyTorch runtime for the pi0.5 Vision-Language-Action policy."""

@@ -1,0 +1,121 @@
+"""From a robot observation (camera images, joint state, instruction) to an action chunk.
+
+Input-side work of pi0.5 around the engine: images resized with padding and scaled to
+[-1, 1], the state normalised with the checkpoint's quantiles, discretised into the prompt
+``Task: ..., State: ...;\\nAction: `` and tokenized; on the way out the actions are cut to the
+robot's dimension and unnormalised. Every input is validated first, so a bad message gives a
+clear error and never reaches the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..models.checkpoint import load_checkpoint
+from ..models.normalize import Normalizer, normalizers_from_checkpoint
+from ..models.preprocess import ImagePreprocessor
+from ..models.tokenizer import PromptTokenizer, build_prompt, discretize_state
+from .dense import DenseEngine, EngineOutput, ModelInputs
+from .timing import PhaseTimes
+
+
+@dataclass
+class Observation:
+    images: Mapping[str, np.ndarray | Tensor]   # camera name -> HxWx3 uint8 RGB (or float [0, 1])
+    state: np.ndarray | Tensor                  # [state_dim] raw joint state
+    task: str                                   # instruction
+
+
+@dataclass
+class PolicyOutput:
+    actions: np.ndarray          # [chunk, action_dim] in robot units
+    times: PhaseTimes
+    engine: EngineOutput
+
+
+class Pi05Policy:
+    def __init__(self, engine: DenseEngine, tokenizer: PromptTokenizer, state_norm: Normalizer,
+                 action_norm: Normalizer, camera_names: list[str],
+                 images: ImagePreprocessor | None = None):
+        cfg = engine.cfg
+        if len(camera_names) > cfg.num_cameras:
+            raise ValueError(f"{len(camera_names)} cameras named, the model takes {cfg.num_cameras}")
+        if tokenizer.vocab_size > cfg.vocab_size:
+            raise ValueError(f"tokenizer has {tokenizer.vocab_size} pieces, the model embeds {cfg.vocab_size}")
+        if state_norm.dim > cfg.max_state_dim or action_norm.dim > cfg.action_dim:
+            raise ValueError("state/action statistics are wider than the model's padded dimensions")
+        if tokenizer.max_length != cfg.max_token_len:
+            raise ValueError(f"tokenizer max_length {tokenizer.max_length} != model's {cfg.max_token_len}")
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.state_norm = state_norm
+        self.action_norm = action_norm
+        self.camera_names = list(camera_names)
+        size = cfg.vision.image_size
+        self.images = images or ImagePreprocessor(size=(size, size))
+
+    @classmethod
+    def from_checkpoint(cls, ckpt_dir: str | Path, camera_names: list[str], max_batch: int = 1,
+                        dtype: torch.dtype = torch.float32, device: str = "cpu") -> "Pi05Policy":
+        ck = load_checkpoint(ckpt_dir, dtype=dtype, device=device)
+        state_norm, action_norm = normalizers_from_checkpoint(ckpt_dir)
+        tok = PromptTokenizer.from_checkpoint_dir(ckpt_dir, max_length=ck.config.max_token_len)
+        return cls(DenseEngine(ck.model, max_batch=max_batch), tok, state_norm, action_norm, camera_names)
+
+    @property
+    def state_dim(self) -> int:
+        return self.state_norm.dim
+
+    def prepare(self, obs: Observation) -> ModelInputs:
+        """Validate and convert one observation into model inputs (batch of one)."""
+        unknown = sorted(set(obs.images) - set(self.camera_names))
+        if unknown:
+            raise ValueError(f"unknown camera(s) {unknown}; configured: {self.camera_names}")
+        state = self._check_state(obs.state)
+        if not isinstance(obs.task, str) or not obs.task.strip():
+            raise ValueError("the instruction (task) must be a non-empty string")
+        cams, mask = [], []
+        for name in self.camera_names:
+            img = obs.images.get(name)
+            if img is None:  # absent camera: masked out (and skipped entirely by the engine)
+                cams.append(self.images.blank())
+                mask.append(False)
+            else:
+                try:
+                    cams.append(self.images(img))
+                except ValueError as e:
+                    raise ValueError(f"camera {name!r}: {e}") from None
+                mask.append(True)
+        if not any(mask):
+            raise ValueError(f"no camera image in the observation (expected some of {self.camera_names})")
+        state_n = self.state_norm.normalize(state)
+        ids, tmask = self.tokenizer.encode(build_prompt(obs.task, discretize_state(state_n)))
+        return ModelInputs(images=torch.stack(cams)[None], image_mask=torch.tensor([mask]),
+                           tokens=ids[None], token_mask=tmask[None])
+
+    def _check_state(self, state: np.ndarray | Tensor) -> Tensor:
+        try:
+            t = torch.as_tensor(np.asarray(state) if not isinstance(state, Tensor) else state)
+        except (TypeError, ValueError):
+            raise ValueError(f"state must be a numeric vector, got {np.asarray(state).dtype}") from None
+        if t.ndim != 1 or t.shape[0] != self.state_dim:
+            raise ValueError(f"state must be a vector of {self.state_dim} values, got shape {tuple(t.shape)}")
+        if not (t.is_floating_point() or t.dtype in (torch.int32, torch.int64)):
+            raise ValueError(f"state must be a numeric vector, got {t.dtype}")
+        t = t.to(torch.float32)
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError("state contains NaN or Inf")
+        return t
+
+    def predict(self, obs: Observation, noise: Tensor | None = None,
+                generator: torch.Generator | None = None) -> PolicyOutput:
+        out = self.engine.infer(self.prepare(obs), noise=noise, generator=generator)
+        actions = self.action_norm.unnormalize(out.actions[0].float().cpu())
+        return PolicyOutput(actions.numpy(), out.times, out)
+

@@ -1,0 +1,44 @@
+"""Per-phase wall-clock timing that is honest on a GPU (synchronises before reading the clock)."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+
+@dataclass
+class PhaseTimes:
+    """Seconds spent in each phase of one policy call."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        return sum(self.seconds.values())
+
+    def as_dict(self) -> dict[str, float]:
+        return {**self.seconds, "total": self.total}
+
+
+class PhaseTimer:
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.cuda = torch.device(device).type == "cuda"
+        self.times = PhaseTimes()
+
+    def _sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        self._sync()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            self.times.seconds[name] = self.times.seconds.get(name, 0.0) + time.perf_counter() - t0
