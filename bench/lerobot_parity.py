@@ -76,7 +76,7 @@ def main() -> int:
     n = args.cameras
     inputs = ModelInputs(
         # The oracle hands LeRobot's sample_actions these exact tensors; we feed ours the same.
-        images=torch.stack([io[f"image_{i}"] for i in range(n)], dim=1),
+        images=torch.stack([io[f"pixel_values_{i}"] for i in range(n)], dim=1),
         image_mask=io["image_mask"][:, :n].bool(),
         tokens=io["tokens"], token_mask=io["token_mask"].bool(),
     )
@@ -87,6 +87,21 @@ def main() -> int:
         if i:
             runs.append(out.times.as_dict())
     diff = (out.actions - io["actions"]).abs()
+    # With random weights the actions depend only weakly on the prefix, so compare the
+    # intermediates too: prefix embeddings and every layer's keys/values at the valid positions.
+    valid = torch.cat([inputs.image_mask.repeat_interleave(ck.config.num_image_tokens, 1), inputs.token_mask], 1)[0]
+    p = int(valid.sum())
+    intermediates = {}
+    if "prefix_embs" in io:
+        image_tokens, _ = ck.model.embed_images(inputs.images)
+        prefix = ck.model.build_prefix(image_tokens, inputs.image_mask, inputs.tokens, inputs.token_mask)
+        intermediates["prefix_embs"] = float((prefix.embeds[0] - io["prefix_embs"][0][valid]).abs().max())
+    for layer, cache in enumerate(ck.model.caches):
+        for kind in ("k", "v"):
+            key = f"kv_{kind}_{layer}"
+            if key in io:
+                theirs_kv = io[key][0, 0][valid]
+                intermediates[key] = float((getattr(cache, kind)[0, 0, :p] - theirs_kv).abs().max() / theirs_kv.abs().max())
     ours = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     theirs = json.loads((work / "lerobot_timing.json").read_text())
     lr = theirs["median_s"]
@@ -100,6 +115,7 @@ def main() -> int:
         "max_abs_diff": float(diff.max()), "mean_abs_diff": float(diff.mean()),
         "reference_absmax": float(io["actions"].abs().max()),
         "parity_ok_1e-4": bool(diff.max() < 1e-4),
+        "intermediates_max_abs_diff": intermediates,
         "median_s": {"ours": ours, "lerobot": {k: lr[k] for k in ("vision", "prefill", "denoise", "total")}},
         "speedup": {k: lr[k] / ours[k] for k in ("vision", "prefill", "denoise", "total")},
         "useful_gflop": {k: v / 1e9 for k, v in flops.items()},

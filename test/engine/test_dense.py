@@ -77,3 +77,18 @@ def test_bad_noise_and_batch(engine: DenseEngine):
         engine.infer(_inputs(engine.cfg), noise=torch.zeros(1, 3, 3))
     with pytest.raises(ValueError, match="exceeds the engine's max_batch"):
         engine.infer(_inputs(engine.cfg, batch=3))
+
+
+def test_bfloat16_engine_tracks_float32():
+    """bf16 weights and activations (the GPU setting) with fp32 norm statistics and softmax stay
+    close to the fp32 answer on the same noise."""
+    model = init_random_(Pi05Model(preset("pi05-tiny")), seed=2)
+    x = _inputs(model.cfg)
+    noise = torch.randn(1, model.cfg.chunk_size, model.cfg.action_dim, generator=torch.Generator().manual_seed(0))
+    ref = DenseEngine(model).infer(x, noise=noise).actions
+    model_bf16 = init_random_(Pi05Model(preset("pi05-tiny")), seed=2).to(torch.bfloat16)
+    model_bf16.refresh_derived()
+    out = DenseEngine(model_bf16).infer(x, noise=noise).actions
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()
+    rel = (out - ref).norm() / ref.norm()
+    assert rel < 0.05, float(rel)

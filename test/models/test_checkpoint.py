@@ -235,3 +235,14 @@ def test_reduced_depth_is_read_off_the_tensors(tmp_path: Path):
     got = infer_config(ckdir, index)
     assert (got.vision.depth, got.vlm.depth, got.expert.depth) == (2, 2, 2)
     assert got.retrieval_layer == 2
+
+
+def test_embedding_comes_from_the_tied_lm_head(ckpt: Path):
+    """PaliGemma ties embedding and LM head; the reference loader takes the embedding from
+    ``lm_head``, so a checkpoint whose two copies differ must load the ``lm_head`` values."""
+    head = "model.paligemma_with_expert.paligemma.lm_head.weight"
+    emb = "model.paligemma_with_expert.paligemma.model.language_model.embed_tokens.weight"
+    tensors = load_file(str(ckpt / WEIGHTS))
+    tensors[emb] = torch.zeros_like(tensors[emb])
+    save_file(tensors, str(ckpt / WEIGHTS))
+    torch.testing.assert_close(load_checkpoint(ckpt).model.embed_tokens.weight, tensors[head])

@@ -64,6 +64,7 @@ class TensorInfo:
     dtype: str
     shape: tuple[int, ...]
     file: Path
+    raw_key: str  # the name as stored in the file
 
 
 @dataclass
@@ -106,7 +107,9 @@ def layout_groups(cfg: Pi05Config) -> list[Group]:
     proj = _PWE + "paligemma.model.multi_modal_projector.linear."
     add("projector.weight", (proj + "weight", (cfg.vlm.width, v.width)))
     add("projector.bias", (proj + "bias", (cfg.vlm.width,)))
-    add("embed_tokens.weight", (_LM + "embed_tokens.weight", (cfg.vocab_size, cfg.vlm.width)))
+    # PaliGemma ties its input embedding to the LM head, and the reference loader takes the
+    # embedding from ``lm_head`` (overwriting ``embed_tokens``); we read the same tensor.
+    add("embed_tokens.weight", (_PWE + "paligemma.lm_head.weight", (cfg.vocab_size, cfg.vlm.width)))
 
     def gemma_layer(src: str, dst: str, c: GemmaConfig, adaptive: bool) -> None:
         add(dst + "attn.qkv_weight", (src + "self_attn.q_proj.weight", (c.q_dim, c.width)),
@@ -142,7 +145,7 @@ def unused_keys(cfg: Pi05Config) -> dict[str, tuple[int, ...]]:
     """Tensors of the public layout that inference never reads (they are validated, not loaded)."""
     return {
         _LM + "norm.weight": (cfg.vlm.width,),
-        _PWE + "paligemma.lm_head.weight": (cfg.vocab_size, cfg.vlm.width),
+        _LM + "embed_tokens.weight": (cfg.vocab_size, cfg.vlm.width),
         _EXP + "lm_head.weight": (cfg.vocab_size, cfg.expert.width),
     }
 
@@ -166,7 +169,7 @@ def _read_header(path: Path) -> dict[str, TensorInfo]:
     end = max((int(h["data_offsets"][1]) for h in header.values()), default=0)
     if 8 + n + end > size:
         raise CheckpointError(f"{path}: truncated file: tensors need {8 + n + end} bytes, file has {size}")
-    return {k: TensorInfo(h["dtype"], tuple(h["shape"]), path) for k, h in header.items()}
+    return {k: TensorInfo(h["dtype"], tuple(h["shape"]), path, k) for k, h in header.items()}
 
 
 def checkpoint_files(path: Path) -> list[Path]:
@@ -322,13 +325,11 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32, device
     index, layout = read_tensor_index(files)
     cfg = infer_config(path, index)
     validate(cfg, index, path)
-    prefix = LEROBOT_PREFIX if layout == "lerobot" else ""
-    canonical_to_raw = _raw_names(files, prefix)
     handles = {f: safe_open(str(f), framework="pt", device="cpu") for f in files}
     state: dict[str, torch.Tensor] = {}
     try:
         for grp in layout_groups(cfg):
-            parts = [handles[index[k].file].get_tensor(canonical_to_raw[k]) for k in grp.public]
+            parts = [handles[index[k].file].get_tensor(index[k].raw_key) for k in grp.public]
             t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
             state[grp.internal] = t.to(device=device, dtype=dtype)
     except Exception as e:  # a damaged payload surfaces here, with the file in the message
@@ -342,18 +343,6 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32, device
     model.eval().requires_grad_(False)
     digest = content_hash(files) if compute_hash else "unhashed"
     return LoadedCheckpoint(model, cfg, digest, path, layout, files)
-
-
-def _raw_names(files: list[Path], prefix: str) -> dict[str, str]:
-    out = {}
-    for f in files:
-        for k in _read_header(f):
-            name = k[len(prefix):] if prefix and k.startswith(prefix) else k
-            for old, new in _ALIASES:
-                if name.startswith(old):
-                    name = new + name[len(old):]
-            out[name] = k
-    return out
 
 
 # --------------------------------------------------------------------------- writing
