@@ -38,9 +38,9 @@ def _split_qkv(layer_attn, c):
 
 
 def _mlp(mlp, x):
-    h = mlp.mlp_dim
-    gate, up = mlp.gate_up_weight[:h], mlp.gate_up_weight[h:]
-    return F.linear(F.gelu(F.linear(x, gate), approximate="tanh") * F.linear(x, up), mlp.down_weight)
+    b, w = mlp.block, x.shape[-1]
+    gate, up = mlp.gate_up[:, :b].reshape(-1, w), mlp.gate_up[:, b:].reshape(-1, w)
+    return F.linear(F.gelu(F.linear(x, gate), approximate="tanh") * F.linear(x, up), mlp.down_t.t())
 
 
 def reference_sample(m: Pi05Model, images, image_mask, tokens, token_mask, noise):

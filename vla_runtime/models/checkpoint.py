@@ -15,13 +15,14 @@ import json
 import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .config import GemmaConfig, Pi05Config, SiglipConfig
+from .gemma import mlp_block
 from .pi05 import Pi05Model
 
 LEROBOT_PREFIX = "model."
@@ -52,11 +53,46 @@ class CheckpointError(ValueError):
 
 @dataclass(frozen=True)
 class Group:
-    """One internal tensor and the public tensors it is made of (concatenated along dim 0)."""
+    """One internal tensor and the public tensors it is made of.
+
+    By default the public tensors are concatenated along dim 0 (fused projections); ``fuse`` and
+    ``split`` override that for layouts that also reorder (the blocked MLP).
+    """
 
     internal: str
     public: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
+    fuse: Callable[[list[torch.Tensor]], torch.Tensor] | None = None
+    split: Callable[[torch.Tensor], list[torch.Tensor]] | None = None
+
+    def to_internal(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        if self.fuse is not None:
+            return self.fuse(parts)
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+    def to_public(self, t: torch.Tensor) -> list[torch.Tensor]:
+        if self.split is not None:
+            return self.split(t)
+        return list(torch.split(t, [s[0] for s in self.shapes], dim=0))
+
+
+def _blocked_gate_up(block: int) -> tuple[Callable, Callable]:
+    """(gate [H, W], up [H, W]) <-> [H/B, 2B, W] with each block's gate rows then up rows."""
+
+    def fuse(parts: list[torch.Tensor]) -> torch.Tensor:
+        gate, up = parts
+        h, w = gate.shape
+        return torch.cat([gate.view(h // block, block, w), up.view(h // block, block, w)], dim=1)
+
+    def split(t: torch.Tensor) -> list[torch.Tensor]:
+        nb, _, w = t.shape
+        return [t[:, :block].reshape(nb * block, w), t[:, block:].reshape(nb * block, w)]
+
+    return fuse, split
+
+
+def _transpose(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0].t().contiguous()
 
 
 @dataclass
@@ -82,8 +118,8 @@ def layout_groups(cfg: Pi05Config) -> list[Group]:
     """Every tensor the model needs, in the LeRobot layout without the ``model.`` prefix."""
     g: list[Group] = []
 
-    def add(internal: str, *public: tuple[str, tuple[int, ...]]) -> None:
-        g.append(Group(internal, tuple(p for p, _ in public), tuple(s for _, s in public)))
+    def add(internal: str, *public: tuple[str, tuple[int, ...]], fuse=None, split=None) -> None:
+        g.append(Group(internal, tuple(p for p, _ in public), tuple(s for _, s in public), fuse, split))
 
     v = cfg.vision
     add("vision.patch_embedding.weight", (_VIS + "embeddings.patch_embedding.weight", (v.width, 3, v.patch_size, v.patch_size)))
@@ -115,9 +151,11 @@ def layout_groups(cfg: Pi05Config) -> list[Group]:
         add(dst + "attn.qkv_weight", (src + "self_attn.q_proj.weight", (c.q_dim, c.width)),
             (src + "self_attn.k_proj.weight", (c.kv_dim, c.width)), (src + "self_attn.v_proj.weight", (c.kv_dim, c.width)))
         add(dst + "attn.o_weight", (src + "self_attn.o_proj.weight", (c.width, c.q_dim)))
-        add(dst + "mlp.gate_up_weight", (src + "mlp.gate_proj.weight", (c.mlp_dim, c.width)),
-            (src + "mlp.up_proj.weight", (c.mlp_dim, c.width)))
-        add(dst + "mlp.down_weight", (src + "mlp.down_proj.weight", (c.width, c.mlp_dim)))
+        fuse, split = _blocked_gate_up(mlp_block(c))
+        add(dst + "mlp.gate_up", (src + "mlp.gate_proj.weight", (c.mlp_dim, c.width)),
+            (src + "mlp.up_proj.weight", (c.mlp_dim, c.width)), fuse=fuse, split=split)
+        add(dst + "mlp.down_t", (src + "mlp.down_proj.weight", (c.width, c.mlp_dim)),
+            fuse=_transpose, split=lambda t: [t.t()])
         if adaptive:
             for ln, ours in (("input_layernorm", "input_mod"), ("post_attention_layernorm", "post_attn_mod")):
                 add(f"{dst}{ours}.weight", (f"{src}{ln}.dense.weight", (3 * c.width, c.width)))
@@ -330,8 +368,7 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32, device
     try:
         for grp in layout_groups(cfg):
             parts = [handles[index[k].file].get_tensor(index[k].raw_key) for k in grp.public]
-            t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-            state[grp.internal] = t.to(device=device, dtype=dtype)
+            state[grp.internal] = grp.to_internal(parts).to(device=device, dtype=dtype)
     except Exception as e:  # a damaged payload surfaces here, with the file in the message
         raise CheckpointError(f"{path}: cannot read tensor data ({type(e).__name__}: {e})") from e
     finally:
@@ -362,8 +399,7 @@ def save_checkpoint(model: Pi05Model, directory: str | Path, layout: str = "lero
     prefix = LEROBOT_PREFIX if layout == "lerobot" else ""
     tensors: dict[str, torch.Tensor] = {}
     for grp in layout_groups(cfg):
-        sizes = [s[0] for s in grp.shapes]
-        for key, part in zip(grp.public, torch.split(sd[grp.internal], sizes, dim=0)):
+        for key, part in zip(grp.public, grp.to_public(sd[grp.internal])):
             tensors[prefix + key] = part.detach().to("cpu").contiguous().clone()
     embed = sd["embed_tokens.weight"].detach().cpu()
     for key, shape in unused_keys(cfg).items():

@@ -50,6 +50,8 @@ class GemmaConfig:
     head_dim: int = 256
     norm_eps: float = 1e-6
     rope_base: float = 10000.0
+    # Neurons per MLP block (see GemmaMLP): a layout choice, not part of the checkpoint.
+    mlp_block: int = 2048
 
     @property
     def q_dim(self) -> int:
@@ -63,6 +65,7 @@ class GemmaConfig:
         _require(self.depth >= 1, "Gemma depth must be >= 1")
         _require(self.num_heads % self.num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads")
         _require(self.head_dim % 2 == 0, "head_dim must be even for RoPE")
+        _require(self.mlp_block >= 1, "mlp_block must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -122,8 +125,8 @@ def _require(cond: bool, msg: str) -> None:
 def _tiny() -> Pi05Config:
     return Pi05Config(
         vision=SiglipConfig(width=64, depth=4, mlp_dim=128, num_heads=4, patch_size=14, image_size=56),
-        vlm=GemmaConfig(width=96, depth=3, mlp_dim=256, num_heads=4, num_kv_heads=1, head_dim=24),
-        expert=GemmaConfig(width=64, depth=3, mlp_dim=128, num_heads=4, num_kv_heads=1, head_dim=24),
+        vlm=GemmaConfig(width=96, depth=3, mlp_dim=256, num_heads=4, num_kv_heads=1, head_dim=24, mlp_block=64),
+        expert=GemmaConfig(width=64, depth=3, mlp_dim=128, num_heads=4, num_kv_heads=1, head_dim=24, mlp_block=64),
         vocab_size=512, chunk_size=10, action_dim=8, max_state_dim=8, num_steps=10,
         max_token_len=64, num_cameras=2, retrieval_layer=2,
     )

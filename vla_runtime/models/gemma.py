@@ -30,7 +30,7 @@ class Workspace:
     scores: Tensor     # attention scores, flat, room for [B, Hkv, T*G, S_max]
     ctx: Tensor        # attention context [B, T, H*D]
     attn_out: Tensor   # o_proj output [B, T, W]
-    gate_up: Tensor    # fused MLP projection [B, T, 2*mlp]
+    gate_up: Tensor    # one MLP block's fused gate/up projection [B, T, 2*block]
     mlp_out: Tensor    # down projection [B, T, W]
 
     @staticmethod
@@ -41,7 +41,7 @@ class Workspace:
         return Workspace(
             h=e(batch, t, w), normed=e(batch, t, w), qkv=e(batch, t, cfg.q_dim + 2 * cfg.kv_dim),
             q=e(batch, t, cfg.num_heads, cfg.head_dim), scores=e(batch * cfg.num_heads * t * max_len),
-            ctx=e(batch, t, cfg.q_dim), attn_out=e(batch, t, w), gate_up=e(batch, t, 2 * cfg.mlp_dim),
+            ctx=e(batch, t, cfg.q_dim), attn_out=e(batch, t, w), gate_up=e(batch, t, 2 * mlp_block(cfg)),
             mlp_out=e(batch, t, w),
         )
 
@@ -95,19 +95,47 @@ class GemmaAttention(nn.Module):
         return linear(ctx, self.o_weight, out=None if ws is None else ws.attn_out)
 
 
-class GemmaMLP(nn.Module):
-    """``down(gelu_tanh(gate(x)) * up(x))`` with gate and up fused into one matmul."""
+def mlp_block(cfg: GemmaConfig) -> int:
+    """Neurons per MLP block: ``cfg.mlp_block``, halved until it divides ``mlp_dim``."""
+    b = min(cfg.mlp_block, cfg.mlp_dim)
+    while cfg.mlp_dim % b:
+        b //= 2
+    return b
 
-    def __init__(self, width: int, mlp_dim: int):
+
+class GemmaMLP(nn.Module):
+    """``down(gelu_tanh(gate(x)) * up(x))``, run over blocks of neurons.
+
+    Gate and up are fused per block (``gate_up[c]`` holds the gate rows then the up rows of
+    neurons ``[c*B, (c+1)*B)``) and the down projection is stored transposed (``down_t[n]`` is
+    neuron ``n``'s output row). Each block's activations are consumed by the down projection
+    while still in cache, which on a CPU runs the prefill MLP ~10% closer to the GEMM limit than
+    one matmul over all 16384 neurons, and it makes any neuron's weights contiguous rows (what the
+    Action Cache gathers). The layout is built from the public gate/up/down tensors at load.
+    """
+
+    def __init__(self, cfg: GemmaConfig):
         super().__init__()
-        self.mlp_dim = mlp_dim
-        self.gate_up_weight = nn.Parameter(torch.empty(2 * mlp_dim, width))
-        self.down_weight = nn.Parameter(torch.empty(width, mlp_dim))
+        self.mlp_dim = cfg.mlp_dim
+        self.block = mlp_block(cfg)
+        self.gate_up = nn.Parameter(torch.empty(cfg.mlp_dim // self.block, 2 * self.block, cfg.width))
+        self.down_t = nn.Parameter(torch.empty(cfg.mlp_dim, cfg.width))
 
     def forward(self, x: Tensor, ws: Workspace | None = None) -> Tensor:
-        gu = linear(x, self.gate_up_weight, out=None if ws is None else ws.gate_up)
-        act = gelu_tanh_(gu[..., : self.mlp_dim]).mul_(gu[..., self.mlp_dim:])
-        return linear(act, self.down_weight, out=None if ws is None else ws.mlp_out)
+        b, w = self.block, x.shape[-1]
+        x2 = x.reshape(-1, w)
+        rows = x2.shape[0]
+        gu = x2.new_empty(rows, 2 * b) if ws is None else ws.gate_up.view(-1, 2 * b)[:rows]
+        out = x2.new_empty(rows, w) if ws is None else ws.mlp_out.view(-1, w)
+        for c in range(self.gate_up.shape[0]):
+            torch.mm(x2, self.gate_up[c].t(), out=gu)
+            act = gelu_tanh_(gu[:, :b]).mul_(gu[:, b:])
+            down = self.down_t[c * b:(c + 1) * b]
+            if c == 0:
+                torch.mm(act, down, out=out)
+            else:
+                out.addmm_(act, down)
+        return out.view(*x.shape[:-1], w)
 
 
 class GemmaLayer(nn.Module):
@@ -118,7 +146,7 @@ class GemmaLayer(nn.Module):
         self.input_norm = RMSNorm(cfg.width, cfg.norm_eps)
         self.attn = GemmaAttention(cfg)
         self.post_attn_norm = RMSNorm(cfg.width, cfg.norm_eps)
-        self.mlp = GemmaMLP(cfg.width, cfg.mlp_dim)
+        self.mlp = GemmaMLP(cfg)
 
     def forward(self, x: Tensor, rope: Rope, bias: Tensor | None, kv_only: bool = False) -> Tensor:
         a = self.attn(self.input_norm(x), rope, 0, bias, kv_only=kv_only)
@@ -142,7 +170,7 @@ class ExpertLayer(nn.Module):
         self.input_mod = nn.Linear(cfg.width, 3 * cfg.width)      # input_layernorm.dense
         self.attn = GemmaAttention(cfg)
         self.post_attn_mod = nn.Linear(cfg.width, 3 * cfg.width)  # post_attention_layernorm.dense
-        self.mlp = GemmaMLP(cfg.width, cfg.mlp_dim)
+        self.mlp = GemmaMLP(cfg)
         # [steps, 2 norms, (1 + scale, shift, gate), W]
         self.register_buffer("modulation", torch.zeros(0), persistent=False)
 
