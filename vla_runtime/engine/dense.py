@@ -8,10 +8,12 @@ the muscle-memory cache swaps individual phases and keeps this contract.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
+from ..models.gemma import DenoiseFFN, PrefillFFN
 from ..models.pi05 import Pi05Model, Prefix
 from .timing import PhaseTimer, PhaseTimes
 
@@ -54,6 +56,13 @@ class EngineOutput:
     actions: Tensor               # [B, chunk, action_dim] fp32, model (normalised) space
     times: PhaseTimes
     retrieval_features: Tensor | None = None   # [B, N, patches, vision width] at cfg.retrieval_layer
+    reference: object | None = None            # the reference a cached engine used (None: dense)
+
+
+class ReferenceSelector(Protocol):
+    """Picks a prepared reference for this call from its retrieval features (None: run dense)."""
+
+    def __call__(self, features: Tensor, inputs: "ModelInputs") -> object | None: ...
 
 
 class DenseEngine:
@@ -77,7 +86,8 @@ class DenseEngine:
 
     @torch.no_grad()
     def infer(self, inputs: ModelInputs, noise: Tensor | None = None,
-              generator: torch.Generator | None = None) -> EngineOutput:
+              generator: torch.Generator | None = None, select: ReferenceSelector | None = None) -> EngineOutput:
+        """One call. ``select`` (cached engines) sees the retrieval features after vision."""
         inputs.validate(self.model)
         b = inputs.images.shape[0]
         if b > self.max_batch:
@@ -89,17 +99,30 @@ class DenseEngine:
         m = self.model
         with timer.phase("vision"):
             image_tokens, tapped = m.embed_images(inputs.images.to(self.device), self.tap_layer)
+        reference = None
+        if select is not None:
+            with timer.phase("retrieve"):
+                reference = select(tapped, inputs)
         with timer.phase("prefill"):
             prefix = m.build_prefix(image_tokens.to(self.dtype), inputs.image_mask.to(self.device),
                                     inputs.tokens.to(self.device), inputs.token_mask.to(self.device))
-            m.prefill(prefix)
+            m.prefill(prefix, ffn=self._prefill_ffn(reference, inputs))
         with timer.phase("denoise"):
-            actions = self._denoise(prefix, noise)
-        return EngineOutput(actions, timer.times, tapped)
+            actions = self._denoise(prefix, noise, reference)
+        return EngineOutput(actions, timer.times, tapped, reference)
 
-    def _denoise(self, prefix: Prefix, noise: Tensor) -> Tensor:
-        if not self.cuda_graphs:
-            return self.model.denoise(prefix, noise)
+    def _prefill_ffn(self, reference: object | None, inputs: ModelInputs) -> PrefillFFN | None:
+        """The dense engine runs every FFN; cached engines substitute the Context Cache here."""
+        return None
+
+    def _denoise_ffn(self, reference: object | None) -> DenoiseFFN | None:
+        """The dense engine runs every FFN; cached engines substitute the Action Cache here."""
+        return None
+
+    def _denoise(self, prefix: Prefix, noise: Tensor, reference: object | None = None) -> Tensor:
+        ffn = self._denoise_ffn(reference)
+        if ffn is not None or not self.cuda_graphs:
+            return self.model.denoise(prefix, noise, ffn=ffn)
         if self._graph is None or not self._graph.matches(prefix, noise):
             self._graph = _DenoiseGraph(self.model, prefix, noise)
         return self._graph.replay(prefix, noise)

@@ -7,6 +7,7 @@ prefix, plus its own for the action tokens; both write into one ``KVCache`` per 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
@@ -121,7 +122,9 @@ class GemmaMLP(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(cfg.mlp_dim // self.block, 2 * self.block, cfg.width))
         self.down_t = nn.Parameter(torch.empty(cfg.mlp_dim, cfg.width))
 
-    def forward(self, x: Tensor, ws: Workspace | None = None) -> Tensor:
+    def forward(self, x: Tensor, ws: Workspace | None = None, act_out: Tensor | None = None) -> Tensor:
+        """MLP of ``x``; with ``act_out`` [rows, mlp_dim] the activations are recorded too
+        (what the Action Cache's anchors and the offline mask profiler need)."""
         b, w = self.block, x.shape[-1]
         x2 = x.reshape(-1, w)
         rows = x2.shape[0]
@@ -130,12 +133,26 @@ class GemmaMLP(nn.Module):
         for c in range(self.gate_up.shape[0]):
             torch.mm(x2, self.gate_up[c].t(), out=gu)
             act = gelu_tanh_(gu[:, :b]).mul_(gu[:, b:])
+            if act_out is not None:
+                act_out[:, c * b:(c + 1) * b].copy_(act)
             down = self.down_t[c * b:(c + 1) * b]
             if c == 0:
                 torch.mm(act, down, out=out)
             else:
                 out.addmm_(act, down)
         return out.view(*x.shape[:-1], w)
+
+
+class PrefillFFN(Protocol):
+    """Replaces a VLM layer's MLP call (the Context Cache; recording reference states)."""
+
+    def __call__(self, layer: int, mlp: GemmaMLP, x: Tensor) -> Tensor: ...
+
+
+class DenoiseFFN(Protocol):
+    """Replaces an expert layer's MLP call in a denoising step (the Action Cache; mask profiling)."""
+
+    def __call__(self, layer: int, step: int, mlp: GemmaMLP, x: Tensor, ws: Workspace) -> Tensor: ...
 
 
 class GemmaLayer(nn.Module):
@@ -148,12 +165,14 @@ class GemmaLayer(nn.Module):
         self.post_attn_norm = RMSNorm(cfg.width, cfg.norm_eps)
         self.mlp = GemmaMLP(cfg)
 
-    def forward(self, x: Tensor, rope: Rope, bias: Tensor | None, kv_only: bool = False) -> Tensor:
+    def forward(self, x: Tensor, rope: Rope, bias: Tensor | None, kv_only: bool = False,
+                ffn: PrefillFFN | None = None, index: int = 0) -> Tensor:
         a = self.attn(self.input_norm(x), rope, 0, bias, kv_only=kv_only)
         if kv_only:
             return x
         x = x + a
-        return x + self.mlp(self.post_attn_norm(x))
+        h = self.post_attn_norm(x)
+        return x + (self.mlp(h) if ffn is None else ffn(index, self.mlp, h))
 
 
 class ExpertLayer(nn.Module):
@@ -178,14 +197,16 @@ class ExpertLayer(nn.Module):
         self.modulation = torch.stack([modulation_table(self.input_mod, cond),
                                        modulation_table(self.post_attn_mod, cond)], dim=1)
 
-    def forward(self, step: int, rope: Rope, start: int, bias: Tensor | None, ws: Workspace) -> None:
+    def forward(self, step: int, rope: Rope, start: int, bias: Tensor | None, ws: Workspace,
+                ffn: DenoiseFFN | None = None, index: int = 0) -> None:
         """Advance the residual stream ``ws.h`` in place by one layer."""
         m = self.modulation[step]
         eps = self.cfg.norm_eps
         n = rms_norm(ws.h, m[0, 0], eps, out=ws.normed).add_(m[0, 1])
         ws.h.addcmul_(self.attn(n, rope, start, bias, ws), m[0, 2])
         n = rms_norm(ws.h, m[1, 0], eps, out=ws.normed).add_(m[1, 1])
-        ws.h.addcmul_(self.mlp(n, ws), m[1, 2])
+        y = self.mlp(n, ws) if ffn is None else ffn(index, step, self.mlp, n, ws)
+        ws.h.addcmul_(y, m[1, 2])
 
 
 def modulation_table(dense: nn.Linear, cond: Tensor) -> Tensor:

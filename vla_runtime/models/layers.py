@@ -103,9 +103,11 @@ def attend(q: Tensor, cache: KVCache, length: int, scale: float, bias: Tensor | 
            scores: Tensor | None = None, out: Tensor | None = None) -> Tensor:
     """Grouped-query attention of q [B, T, H, D] over cache rows [0, length).
 
-    Queries of one KV group are folded into the row dimension, so a single KV head (pi0.5) costs
-    two batched matmuls with no head expansion. Softmax runs in fp32. ``bias`` is an additive key
-    mask [B, 1, 1, length] or None when every key is valid.
+    Queries of one KV group are folded into the row dimension, so a single KV head (pi0.5) needs
+    no head expansion. Softmax runs in fp32. ``bias`` is an additive key mask [B, 1, 1, length]
+    or None when every key is valid. With a ``scores`` buffer (the denoising loop) the two
+    matmuls and the softmax write into static memory; without one (the prefill) PyTorch's fused
+    attention kernel runs.
     """
     b, t, h, d = q.shape
     hkv = cache.k.shape[1]
@@ -113,11 +115,13 @@ def attend(q: Tensor, cache: KVCache, length: int, scale: float, bias: Tensor | 
     qg = q.view(b, t, hkv, g, d).transpose(1, 2).reshape(b, hkv, t * g, d)
     k = cache.k[:b, :, :length]
     v = cache.v[:b, :, :length]
-    if scores is not None:
-        scores = scores.view(-1)[: b * hkv * t * g * length].view(b, hkv, t * g, length)
-        torch.matmul(qg, k.transpose(-1, -2), out=scores)
-    else:
-        scores = torch.matmul(qg, k.transpose(-1, -2))
+    if scores is None:
+        # Allocating path (the prefill): PyTorch's fused attention, fp32 softmax inside.
+        ctx = F.scaled_dot_product_attention(qg, k, v, attn_mask=bias, scale=scale)
+        ctx = ctx.view(b, hkv, t, g, d).transpose(1, 2).reshape(b, t, h * d)
+        return ctx if out is None else out.view(b, t, h * d).copy_(ctx)
+    scores = scores.view(-1)[: b * hkv * t * g * length].view(b, hkv, t * g, length)
+    torch.matmul(qg, k.transpose(-1, -2), out=scores)
     scores.mul_(scale)
     if bias is not None:
         scores.add_(bias)

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from .config import Pi05Config
-from .gemma import ExpertLayer, GemmaLayer, Workspace, modulation_table
+from .gemma import DenoiseFFN, ExpertLayer, GemmaLayer, PrefillFFN, Workspace, modulation_table
 from .layers import KVCache, RMSNorm, Rope, linear, rms_norm, sincos_time_embedding
 from .siglip import SiglipVisionTower
 
@@ -144,20 +144,21 @@ class Pi05Model(nn.Module):
         key_bias = None if bool(mask.all()) else _key_bias(mask, embeds.dtype)
         return Prefix(embeds, positions, key_bias, mask.long().sum(-1))
 
-    def prefill(self, prefix: Prefix) -> None:
+    def prefill(self, prefix: Prefix, ffn: PrefillFFN | None = None) -> None:
         """Run the VLM over the prefix, filling every layer's KV cache rows [0, P).
 
         The last layer only writes keys/values: its attention output and MLP feed nothing.
+        ``ffn`` replaces the MLP call of layers 0..depth-2 (Context Cache, reference recording).
         """
         self._check_capacity(prefix.embeds.shape[0], prefix.length)
         rope = Rope.at(prefix.positions, self.cfg.vlm.head_dim, self.cfg.vlm.rope_base, prefix.embeds.dtype)
         x = prefix.embeds
         last = len(self.vlm_layers) - 1
         for i, layer in enumerate(self.vlm_layers):
-            x = layer(x, rope, prefix.key_bias, kv_only=(i == last))
+            x = layer(x, rope, prefix.key_bias, kv_only=(i == last), ffn=ffn, index=i)
 
     # ----------------------------------------------------------------- phase 3: denoise
-    def denoise(self, prefix: Prefix, noise: Tensor) -> Tensor:
+    def denoise(self, prefix: Prefix, noise: Tensor, ffn: DenoiseFFN | None = None) -> Tensor:
         """Integrate the flow from t=1 (noise) to t=0 with Euler steps; returns [B, chunk, action_dim].
 
         Only the action expert runs here, over ``chunk`` tokens per step, attending to the prefix
@@ -181,8 +182,8 @@ class Pi05Model(nn.Module):
         for step in range(cfg.num_steps):
             linear(x_t if dtype == torch.float32 else x_t.to(dtype), self.action_in_proj.weight,
                    self.action_in_proj.bias, out=ws.h)
-            for layer in self.expert_layers:
-                layer(step, rope, p, bias, ws)
+            for i, layer in enumerate(self.expert_layers):
+                layer(step, rope, p, bias, ws, ffn=ffn, index=i)
             fm = self.final_modulation[step]
             normed = rms_norm(ws.h, fm[0], cfg.expert.norm_eps, out=ws.normed).add_(fm[1])
             if dtype == torch.float32:
@@ -230,4 +231,4 @@ def init_random_(model: Pi05Model, seed: int = 0, std: float = 0.02) -> Pi05Mode
         else:
             p.copy_(torch.randn(p.shape, generator=g) * std)
     model.refresh_derived()
-    return model
+    return model.eval().requires_grad_(False)

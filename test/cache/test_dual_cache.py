@@ -1,0 +1,185 @@
+"""Context Cache and Action Cache against the dense engine (tiny preset, random weights)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from vla_runtime.cache.action_cache import ActionCache, ActionCacheBuffers
+from vla_runtime.cache.context_cache import ContextCache, token_drift
+from vla_runtime.cache.entry import PreparedEntry, reconstruct_entry
+from vla_runtime.cache.masks import ContributionRecorder, group_masks, profile_masks, validate_groups
+from vla_runtime.engine.cached import CacheConfig, CachedEngine
+from vla_runtime.engine.dense import DenseEngine, ModelInputs
+from vla_runtime.models.config import preset
+from vla_runtime.models.gemma import GemmaMLP
+from vla_runtime.models.pi05 import Pi05Model, init_random_
+
+
+@pytest.fixture(scope="module")
+def model() -> Pi05Model:
+    return init_random_(Pi05Model(preset("pi05-tiny")), seed=7)
+
+
+def _obs(cfg, seed: int, base: torch.Tensor | None = None, jitter: float = 0.0) -> ModelInputs:
+    g = torch.Generator().manual_seed(seed)
+    s = cfg.vision.image_size
+    images = torch.rand(1, cfg.num_cameras, 3, s, s, generator=g) * 2 - 1 if base is None else \
+        (base + jitter * torch.randn(base.shape, generator=g)).clamp(-1, 1)
+    mask = torch.zeros(1, cfg.max_token_len, dtype=torch.bool)
+    mask[0, :12] = True
+    tokens = torch.randint(0, cfg.vocab_size, (1, cfg.max_token_len), generator=torch.Generator().manual_seed(0))
+    return ModelInputs(images, torch.ones(1, cfg.num_cameras, dtype=torch.bool), tokens, mask)
+
+
+def _entry(model: Pi05Model, x: ModelInputs, rho_n: float, seed: int = 0) -> PreparedEntry:
+    cfg = model.cfg
+    model.setup_caches(1)
+    entry = reconstruct_entry(model, ("ep", 0), x.images[0], x.image_mask[0], x.tokens[0], x.token_mask[0], None)
+    image_tokens, _ = model.embed_images(x.images)
+    prefix = model.build_prefix(image_tokens, x.image_mask, x.tokens, x.token_mask)
+    with torch.no_grad():
+        model.prefill(prefix)
+        noise = torch.randn(1, cfg.chunk_size, cfg.action_dim, generator=torch.Generator().manual_seed(seed))
+        entry.masks = profile_masks(model, prefix, noise, CacheConfig().groups, rho_n)
+    return entry
+
+
+def _run(engine, x, noise, entry=None):
+    return engine.infer(x, noise=noise, select=None if entry is None else (lambda f, i: entry))
+
+
+@pytest.fixture(scope="module")
+def scene(model):
+    cfg = model.cfg
+    ref = _obs(cfg, 1)
+    cur = _obs(cfg, 2, base=ref.images, jitter=0.3)
+    noise = torch.randn(1, cfg.chunk_size, cfg.action_dim, generator=torch.Generator().manual_seed(3))
+    return ref, cur, noise
+
+
+def test_full_ratios_reproduce_dense(model, scene):
+    ref, cur, noise = scene
+    entry = _entry(model, ref, rho_n=1.0)
+    dense = DenseEngine(model).infer(cur, noise=noise).actions
+    cached = CachedEngine(model, CacheConfig(rho_p=1.0, rho_n=1.0))
+    out = _run(cached, cur, noise, entry)
+    assert out.reference is entry
+    torch.testing.assert_close(out.actions, dense, atol=1e-4, rtol=1e-4)
+    assert cached.last_context.recomputed == [entry.visual_tokens] * (model.cfg.vlm.depth - 1)
+
+
+def test_partial_ratios_change_the_answer_boundedly(model, scene):
+    ref, cur, noise = scene
+    entry = _entry(model, ref, rho_n=0.5)
+    dense = DenseEngine(model).infer(cur, noise=noise).actions
+    cached = CachedEngine(model, CacheConfig(rho_p=0.4, rho_n=0.5))
+    out = _run(cached, cur, noise, entry).actions
+    rel = float((out - dense).norm() / dense.norm())
+    assert 0 < rel < 0.5, rel
+    pv = entry.visual_tokens
+    assert cached.last_context.recomputed == [math.ceil(0.4 * pv)] * (model.cfg.vlm.depth - 1)
+
+
+def test_reusing_its_own_states_is_exact_for_the_context_cache(model, scene):
+    """Against a reference recorded from the very same observation, reused rows are the true rows."""
+    ref, _, noise = scene
+    entry = _entry(model, ref, rho_n=0.5)
+    dense = DenseEngine(model).infer(ref, noise=noise).actions
+    cached = CachedEngine(model, CacheConfig(rho_p=0.2, action_cache=False))
+    torch.testing.assert_close(_run(cached, ref, noise, entry).actions, dense, atol=1e-5, rtol=1e-5)
+
+
+def test_no_reference_or_other_camera_layout_runs_dense(model, scene):
+    ref, cur, noise = scene
+    entry = _entry(model, ref, rho_n=0.5)
+    dense = DenseEngine(model).infer(cur, noise=noise).actions
+    cached = CachedEngine(model, CacheConfig(action_cache=False))
+    assert torch.equal(_run(cached, cur, noise, None).actions, dense)
+    entry.image_mask = torch.tensor([True, False])
+    assert torch.equal(_run(cached, cur, noise, entry).actions, dense)
+    assert cached.last_context is None
+
+
+def test_context_cache_scatters_selected_rows_over_reference_outputs():
+    torch.manual_seed(0)
+    cfg = preset("pi05-tiny").vlm
+    mlp = GemmaMLP(cfg)
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.normal_(0, 0.1)
+    pv, pt, w = 10, 3, cfg.width
+    ref_in = torch.randn(1, pv, w)
+    x = ref_in.clone()
+    x[0, [2, 7]] += 5.0  # two tokens drift a lot
+    x = torch.cat([x, torch.randn(1, pt, w)], 1)
+    entry = PreparedEntry(("e", 0), ref_in, torch.full((1, pv, w), 9.0), torch.tensor([True]), None)
+    with torch.no_grad():
+        out = ContextCache(entry, rho_p=0.2)(0, mlp, x)
+        dense = mlp(x)
+    assert set(token_drift(x[0, :pv], ref_in[0]).topk(2).indices.tolist()) == {2, 7}
+    torch.testing.assert_close(out[0, [2, 7]], dense[0, [2, 7]])
+    torch.testing.assert_close(out[0, pv:], dense[0, pv:])   # instruction/state rows always recomputed
+    keep = [i for i in range(pv) if i not in (2, 7)]
+    assert torch.all(out[0, keep] == 9.0)                     # others reuse the reference output
+
+
+def test_anchor_update_is_exact_with_all_neurons_and_follows_eq4_otherwise(model):
+    cfg = model.cfg
+    layer = model.expert_layers[0]
+    mlp = layer.mlp
+    h = cfg.expert.mlp_dim
+    g = torch.Generator().manual_seed(0)
+    x_anchor = torch.randn(1, cfg.chunk_size, cfg.expert.width, generator=g)
+    x_t = x_anchor + 0.3 * torch.randn(x_anchor.shape, generator=g)
+    model.setup_caches(1)
+    ws = model.workspace.narrow(1)
+
+    def run(k, masks):
+        buf = ActionCacheBuffers(cfg, k, torch.float32, torch.device("cpu"))
+        ac = ActionCache(buf, masks, ((0, 5), (5, 10)), cfg.num_steps)
+        with torch.no_grad():
+            ac(0, 0, mlp, x_anchor, ws)
+            return ac(0, 1, mlp, x_t, ws).clone()
+
+    all_neurons = torch.arange(h).expand(2, cfg.expert.depth, h).contiguous()
+    with torch.no_grad():
+        dense_t = mlp(x_t).clone()
+        torch.testing.assert_close(run(h, all_neurons), dense_t, atol=1e-5, rtol=1e-5)
+        m = torch.randperm(h, generator=g)[: h // 4].sort().values
+        masks = m.expand(2, cfg.expert.depth, m.numel()).contiguous()
+        act_a, act_t = torch.empty(cfg.chunk_size, h), torch.empty(cfg.chunk_size, h)
+        y_a = mlp(x_anchor, act_out=act_a).clone()
+        mlp(x_t, act_out=act_t)
+        expected = y_a[0] + (act_t[:, m] - act_a[:, m]) @ mlp.down_t[m]
+        torch.testing.assert_close(run(m.numel(), masks)[0], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_group_masks_unite_per_step_top_k_then_rerank():
+    # 2 steps, 1 layer, 6 neurons, K = 2 (rho 1/3).
+    scores = torch.tensor([[[9., 8., 0., 0., 7., 0.]], [[0., 0., 5., 9., 7.5, 0.]]])
+    masks = group_masks(scores, ((0, 2),), rho_n=2 / 6)
+    # per-step top-2: {0,1} and {3,4}; union {0,1,3,4}; sums 9, 8, 9, 14.5 -> top-2 = {4, 0 or 3}
+    got = set(masks[0, 0].tolist())
+    assert 4 in got and got <= {0, 3, 4} and len(got) == 2
+    assert masks.shape == (1, 1, 2)
+    with pytest.raises(ValueError, match="tile"):
+        validate_groups(((0, 4), (5, 10)), 10)
+
+
+def test_contribution_scores_follow_eq1(model):
+    cfg = model.cfg
+    model.setup_caches(1)
+    rec = ContributionRecorder(model)
+    x = torch.randn(1, cfg.chunk_size, cfg.expert.width)
+    ws = model.workspace.narrow(1)
+    mlp = model.expert_layers[1].mlp
+    with torch.no_grad():
+        rec(1, 3, mlp, x, ws)
+        act = torch.empty(cfg.chunk_size, cfg.expert.mlp_dim)
+        mlp(x, act_out=act)
+    expected = act.abs().sum(0) * mlp.down_t.norm(dim=1)
+    torch.testing.assert_close(rec.scores[3, 1], expected)
+    assert rec.scores[0].abs().sum() == 0

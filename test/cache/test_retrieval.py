@@ -1,0 +1,197 @@
+"""Reference retrieval: visual top-T, joint-history rerank, fallback, stall, task packs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vla_runtime.cache.retrieval import (
+    CandidateMatrix,
+    Match,
+    RetrievalConfig,
+    Retriever,
+    TaskPacks,
+    candidates_from_repository,
+)
+
+F, L, D = 16, 3, 4
+TASK = "stack blocks"
+
+
+def unit(*xs: float) -> torch.Tensor:
+    v = torch.zeros(F)
+    v[: len(xs)] = torch.tensor(xs)
+    return v
+
+
+def matrix(entries: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]], capacity: int = 32) -> CandidateMatrix:
+    m = CandidateMatrix(capacity, F, L, D)
+    for key, (feat, hist) in entries.items():
+        m.put(key, feat, hist)
+    return m
+
+
+def retriever(m: CandidateMatrix, max_calls: int = 40, **cfg) -> Retriever:
+    r = Retriever(RetrievalConfig(history_len=L, **cfg), TaskPacks({TASK: m}))
+    r.start_episode(TASK, max_calls=max_calls)
+    return r
+
+
+def test_planted_nearest_is_picked():
+    g = torch.Generator().manual_seed(0)
+    entries = {(f"ep{e}", i): (torch.randn(F, generator=g), torch.randn(L, D, generator=g))
+               for e in range(3) for i in range(6)}
+    feat, hist = entries[("ep2", 4)]
+    r = retriever(matrix(entries))
+    m = r.query((feat + 0.01 * torch.randn(F, generator=g)).reshape(2, 8).half(), hist)
+    assert isinstance(m, Match) and m.key == ("ep2", 4)
+    assert m.similarity > 0.99 and m.joint_distance == pytest.approx(0.0, abs=1e-6)
+    assert r.stats.queries == 1 and r.stats.hits == 1 and r.stats.last_similarity == pytest.approx(m.similarity)
+
+
+@pytest.mark.parametrize("closer", ["a", "b"])
+def test_joint_rerank_breaks_a_visual_tie(closer):
+    feat = unit(1, 2, 3)
+    ha, hb = torch.zeros(L, D), torch.ones(L, D)
+    r = retriever(matrix({("a", 0): (feat, ha), ("b", 0): (feat, hb)}))
+    query_hist = (ha if closer == "a" else hb) + 0.1
+    m = r.query(feat, query_hist)
+    assert m.episode_id == closer
+    assert m.joint_distance == pytest.approx(0.1, rel=1e-5)
+
+
+def test_rerank_only_within_top_t():
+    """A candidate outside the visual top T is never chosen, however close its joints are."""
+    h = torch.zeros(L, D)
+    entries = {("a", 0): (unit(1, 0.10), h + 1.0), ("b", 0): (unit(1, 0.12), h + 2.0), ("c", 0): (unit(1, 0.3), h)}
+    m = retriever(matrix(entries), top_t=2).query(unit(1, 0.1), h)
+    assert m.episode_id == "a"
+
+
+def test_dual_arm_uses_the_larger_arm_distance():
+    feat, cur = unit(1), torch.zeros(L, D)
+    a = cur.clone()
+    a[:, :2] = 0.6                    # arm RMS (0.6, 0.0); whole-state RMS 0.42
+    b = cur + 0.5                     # arm RMS (0.5, 0.5); whole-state RMS 0.5
+    entries = {("a", 0): (feat, a), ("b", 0): (feat, b)}
+    single = retriever(matrix(entries)).query(feat, cur)
+    assert single.episode_id == "a" and single.joint_distance == pytest.approx(0.6 / 2**0.5, rel=1e-5)
+    dual = retriever(matrix(entries), arm_slices=((0, 2), (2, 4))).query(feat, cur)
+    assert dual.episode_id == "b" and dual.joint_distance == pytest.approx(0.5, rel=1e-5)
+
+
+def test_history_longer_than_history_len_is_aligned_on_the_last_rows():
+    feat = unit(1)
+    r = retriever(matrix({("a", 0): (feat, torch.zeros(L, D))}))
+    long_hist = torch.cat([torch.full((5, D), 9.0), torch.zeros(L, D)])
+    assert r.query(feat, long_hist).joint_distance == 0.0
+    with pytest.raises(ValueError, match="state_history"):
+        r.query(feat, torch.zeros(L - 1, D))
+
+
+def test_fallback_below_threshold_persists_until_next_episode():
+    h = torch.zeros(L, D)
+    r = retriever(matrix({("a", 0): (unit(1, 0), h)}))
+    assert r.query(unit(0.79, (1 - 0.79**2) ** 0.5), h) is None       # cosine 0.79
+    assert r.fallback and "fallback" in r.reason and r.stats.fallbacks == 1
+    assert r.stats.last_similarity == pytest.approx(0.79, abs=1e-5)
+    assert r.query(unit(1, 0), h) is None                              # perfect match, still dense
+    assert r.stats.fallbacks == 1 and r.stats.misses == 2
+    r.start_episode(TASK, max_calls=40)
+    assert not r.fallback
+    assert r.query(unit(0.81, (1 - 0.81**2) ** 0.5), h).episode_id == "a"
+
+
+def test_stall_after_max_calls_repeats():
+    h, feat = torch.zeros(L, D), unit(1)
+    seen = []
+    packs = TaskPacks({TASK: matrix({("a", 7): (feat, h)})})
+    r = Retriever(RetrievalConfig(history_len=L), packs, on_stall=seen.append)
+    r.start_episode(TASK, max_calls=3)
+    assert all(r.query(feat, h) is not None for _ in range(3))
+    assert not r.stalled
+    assert r.query(feat, h) is None
+    assert r.stalled and "stall" in r.reason and r.stats.stalls == 1
+    assert [m.key for m in seen] == [("a", 7)]
+    assert r.query(feat, h) is None and r.stats.stalls == 1           # latched, reported once
+    r.reset()
+    assert not r.stalled and r.query(feat, h).key == ("a", 7)
+
+
+def test_unknown_task_runs_dense():
+    r = Retriever(RetrievalConfig(history_len=L), TaskPacks({TASK: matrix({("a", 0): (unit(1), torch.zeros(L, D))})}))
+    r.start_episode("fold towel", max_calls=10)
+    assert "unknown task" in r.reason
+    assert r.query(unit(1), torch.zeros(L, D)) is None and "unknown task" in r.reason
+    assert not r.fallback
+
+
+def test_no_prepared_candidates_is_not_a_fallback():
+    r = retriever(CandidateMatrix(4, F, L, D))
+    assert r.query(unit(1), torch.zeros(L, D)) is None
+    assert r.reason == "no prepared candidates" and not r.fallback
+
+
+def test_call_zero_selects_candidate_episodes():
+    h = torch.zeros(L, D)
+    entries = {}
+    for ep, y in (("A", 0.0), ("B", 0.3), ("C", 0.6)):
+        for i in range(3):
+            entries[(ep, i)] = (unit(1, y, 0.01 * i), h)
+    r = retriever(matrix(entries), top_t=2)
+    assert r.candidate_episodes() == []
+    assert r.query(unit(1, 0), h).episode_id == "A"
+    assert r.candidate_episodes() == ["A", "B"]
+    # C matches this exactly, but later calls stay within the episodes chosen at call 0.
+    m = r.query(unit(1, 0.6), h)
+    assert m.episode_id == "B"
+    r.start_episode(TASK, max_calls=40)
+    assert r.candidate_episodes() == []
+    assert r.query(unit(1, 0.6), h).episode_id == "C"
+
+
+def test_candidate_matrix_slots():
+    m = CandidateMatrix(2, F, L, D)
+    m.put(("a", 0), unit(3, 4), torch.zeros(L, D))
+    assert torch.allclose(m.features[0], unit(0.6, 0.8))                  # stored normalised
+    m.put(("a", 1), unit(1), torch.zeros(L, D))
+    with pytest.raises(ValueError, match="full"):
+        m.put(("b", 0), unit(1), torch.zeros(L, D))
+    m.remove(("a", 0))
+    assert m.put(("b", 0), unit(1), torch.zeros(L, D)) == 0 and len(m) == 2 and ("a", 0) not in m
+    with pytest.raises(ValueError, match="history"):
+        m.put(("c", 0), unit(1), torch.zeros(L + 1, D))
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="top_t"):
+        RetrievalConfig(top_t=0)
+    with pytest.raises(ValueError, match="arm_slices"):
+        RetrievalConfig(arm_slices=((3, 1),))
+    r = retriever(matrix({("a", 0): (unit(1), torch.zeros(L, D))}), arm_slices=((0, 2), (2, 5)))
+    with pytest.raises(ValueError, match="exceed the state dimension"):
+        r.query(unit(1), torch.zeros(L, D))
+    with pytest.raises(RuntimeError, match="start_episode"):
+        Retriever(RetrievalConfig(), TaskPacks({})).query(unit(1), torch.zeros(L, D))
+
+
+def test_candidates_from_repository(tmp_path):
+    from vla_runtime.cache.repository import ReferenceCall, ReferenceRepository, RepositoryMeta
+
+    g = torch.Generator().manual_seed(0)
+
+    def call() -> ReferenceCall:
+        return ReferenceCall(
+            images=torch.zeros(1, 4, 4, 3, dtype=torch.uint8), image_mask=torch.ones(1, dtype=torch.bool),
+            tokens=torch.zeros(3, dtype=torch.int64), token_mask=torch.ones(3, dtype=torch.bool),
+            state=torch.randn(D, generator=g), state_history=torch.randn(L, D, generator=g),
+            retrieval=torch.randn(2, F // 2, generator=g).half(), masks=torch.zeros(1, 1, 2, dtype=torch.int32))
+
+    repo = ReferenceRepository.create(tmp_path / "r", RepositoryMeta(
+        checkpoint_hash="sha256:x", model={}, retrieval_layer=1, rho_n=0.5, mask_groups=[[0, 10]], history_len=L))
+    repo.add_episode("e0", TASK, [call() for _ in range(4)])
+    repo.add_episode("e1", TASK, [call() for _ in range(4)])
+    target = repo.load_call("e1", 2)
+    r = Retriever(RetrievalConfig(history_len=L), candidates_from_repository(repo))
+    r.start_episode(TASK, max_calls=8)
+    assert r.query(target.retrieval, target.state_history).key == ("e1", 2)

@@ -1,0 +1,58 @@
+"""Context Cache (rMuscle §4.1, Eq. 2-3): reuse a reference's VLM FFN outputs for visual tokens.
+
+At every VLM layer the current post-norm FFN inputs of the visual tokens are compared with the
+reference's; only the ceil(rho_p * Pv) tokens that drifted most (relative RMS of the difference)
+go through gate/up/activation/down, and their outputs are scattered into a buffer holding the
+reference outputs. Instruction and state tokens are always recomputed, attention stays dense.
+The choice looks at FFN inputs only, so deciding costs no FFN work.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ..models.gemma import GemmaMLP
+from .entry import PreparedEntry
+
+DRIFT_EPS = 1e-6
+
+
+def token_drift(x: Tensor, ref: Tensor) -> Tensor:
+    """Per-token ``RMS(x - ref) / max(RMS(x), eps)`` over the feature dimension, in fp32."""
+    xf, rf = x.float(), ref.float()
+    num = (xf - rf).pow(2).mean(-1).sqrt()
+    den = xf.pow(2).mean(-1).sqrt().clamp_min(DRIFT_EPS)
+    return num / den
+
+
+@dataclass
+class ContextCache:
+    """A ``PrefillFFN`` for one call (batch of one) against one prepared reference."""
+
+    entry: PreparedEntry
+    rho_p: float
+    recomputed: list[int] = field(default_factory=list)  # visual rows recomputed per layer (diagnostics)
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.rho_p <= 1.0:
+            raise ValueError(f"rho_p must be in (0, 1], got {self.rho_p}")
+
+    def __call__(self, layer: int, mlp: GemmaMLP, x: Tensor) -> Tensor:
+        if x.shape[0] != 1:
+            raise ValueError("the Context Cache serves one observation at a time (batch 1)")
+        pv = self.entry.visual_tokens
+        xv, xt = x[0, :pv], x[0, pv:]
+        k = min(pv, math.ceil(self.rho_p * pv))
+        idx = token_drift(xv, self.entry.ffn_in[layer]).topk(k, sorted=False).indices
+        rows = torch.cat([xv.index_select(0, idx), xt])
+        y_rows = mlp(rows)
+        out = torch.empty_like(x)
+        out[0, :pv] = self.entry.ffn_out[layer]
+        out[0, :pv].index_copy_(0, idx, y_rows[:k])
+        out[0, pv:] = y_rows[k:]
+        self.recomputed.append(k)
+        return out

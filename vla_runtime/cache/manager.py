@@ -1,0 +1,210 @@
+"""The cache manager: repository, retrieval and the sliding working set, around one model.
+
+It decides; the cached engine computes. Per episode it selects the task pack, keeps a window of
+prepared entries (reconstructed from the repository's compact inputs while the robot executes),
+picks a reference for each call from the call's ViT features and joint history, and falls back
+to dense when nothing similar is known (or the robot stalls).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ..models.pi05 import Pi05Model
+from .entry import EntryKey, PreparedEntry, reconstruct_entry
+from .repository import ReferenceCall, ReferenceRepository
+from .retrieval import CandidateMatrix, Match, RetrievalConfig, Retriever
+from .window import SlidingWindow, WindowConfig, WindowPlan, reconstruction_budget
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ManagerConfig:
+    retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
+    window: WindowConfig = field(default_factory=WindowConfig)
+    memory_budget_bytes: int = 4 << 30     # M_free: memory the prepared entries may take
+    default_time_available_s: float = 1.0  # T_avl when the caller does not say (a chunk's execution time)
+
+
+@dataclass
+class PrepareReport:
+    added: int = 0
+    dropped: int = 0
+    deferred: int = 0
+    budget: int = 0
+    seconds: float = 0.0
+
+
+def stored_images_to_model(images: Tensor) -> Tensor:
+    """uint8 [N, S, S, 3] as stored -> float [N, 3, S, S] in [-1, 1] (the model's input)."""
+    return images.permute(0, 3, 1, 2).float().div_(127.5).sub_(1.0)
+
+
+def model_images_to_stored(images: Tensor) -> Tensor:
+    """float [N, 3, S, S] in [-1, 1] -> uint8 [N, S, S, 3] (compact, as the repository keeps them)."""
+    return images.add(1.0).mul_(127.5).round_().clamp_(0, 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous()
+
+
+class CacheManager:
+    """Owns the prepared entries of one model; its ``select`` is the engine's ReferenceSelector."""
+
+    def __init__(self, model: Pi05Model, repository: ReferenceRepository, cfg: ManagerConfig = ManagerConfig()):
+        self.model = model
+        self.repo = repository
+        self.cfg = cfg
+        layout = repository.call_layout or {}
+        if "retrieval" not in layout or "state_history" not in layout:
+            raise ValueError(f"repository {repository.root} holds no episodes yet")
+        feat_dim = layout["retrieval"][0] * layout["retrieval"][1]
+        hist_len, state_dim = layout["state_history"]
+        if hist_len < cfg.retrieval.history_len:
+            raise ValueError(f"repository histories cover {hist_len} calls, retrieval needs {cfg.retrieval.history_len}")
+        self.state_dim = state_dim
+        capacity = cfg.window.capacity + max((len(repository.episodes(t)) for t in repository.tasks()), default=0)
+        self.matrix = CandidateMatrix(capacity, feat_dim, hist_len, state_dim)
+        self.retriever = Retriever(cfg.retrieval, self)
+        self.window = SlidingWindow(cfg.window)
+        self.entries: dict[EntryKey, PreparedEntry] = {}
+        self.task: str | None = None
+        self.history: list[Tensor] = []
+        self.last_match: Match | None = None
+        self._rebuild_s: list[float] = []
+        self._load_s: list[float] = []
+
+    # ------------------------------------------------------------ CandidateSource
+    def candidates(self, task: str) -> CandidateMatrix | None:
+        """The prepared entries of the current episode's task (retrieval searches only these)."""
+        return self.matrix if task == self.task and task in self.repo.tasks() else None
+
+    # ------------------------------------------------------------ episodes
+    def start_episode(self, task: str) -> PrepareReport:
+        """New episode: task pack, fresh window; prepares the initial window (before the robot moves)."""
+        self._clear()
+        self.task = task
+        records = self.repo.episodes(task)
+        max_calls = max((r.num_calls for r in records), default=1)
+        self.retriever.start_episode(task, max_calls)
+        if not records:
+            log.warning("no reference episodes for task %r: running dense", task)
+            return PrepareReport()
+        self.window.set_episode_lengths({r.episode_id: r.num_calls for r in records})
+        plan = self.window.initial_plan([r.episode_id for r in records], budget=self.cfg.window.capacity + len(records))
+        return self._apply(plan, budget=len(plan.add))
+
+    def observe_state(self, state: Tensor) -> None:
+        """The robot state at the coming call (joint-history rerank)."""
+        state = torch.as_tensor(state, dtype=torch.float32).reshape(-1)
+        if state.numel() != self.state_dim:
+            raise ValueError(f"state has {state.numel()} values, the repository's {self.state_dim}")
+        self.history.append(state)
+
+    def state_history(self) -> Tensor:
+        """[L, D]: the states at the last L calls, the oldest repeated to fill (as recorded)."""
+        n = self.cfg.retrieval.history_len
+        if not self.history:
+            raise RuntimeError("observe_state() must be called before each call")
+        h = self.history[-n:]
+        return torch.stack([h[0]] * (n - len(h)) + h)
+
+    # ------------------------------------------------------------ per call
+    def select(self, features: Tensor, inputs=None) -> PreparedEntry | None:
+        """Reference for this call from its retrieval features (the engine's ReferenceSelector)."""
+        if self.task is None:
+            return None
+        match = self.retriever.query(features, self.state_history())
+        self.last_match = match
+        if match is None:
+            if self.retriever.reason:
+                log.debug("dense call: %s", self.retriever.reason)
+            return None
+        return self.entries.get(match.key)
+
+    def prepare(self, time_available_s: float | None = None) -> PrepareReport:
+        """Slide the window after a call and rebuild newly entering entries within the budget (Eq. 5).
+
+        Meant to run while the robot executes the chunk; ``time_available_s`` is that time.
+        """
+        m = self.last_match
+        if m is None or self.retriever.fallback or self.retriever.stalled:
+            return PrepareReport()
+        matches = self._aligned_positions(m)
+        missing = self.window.missing(matches)
+        entry_bytes = self._entry_bytes()
+        used = sum(e.nbytes() for e in self.entries.values())
+        free = max(0, self.cfg.memory_budget_bytes - used)
+        t_avl = self.cfg.default_time_available_s if time_available_s is None else time_available_s
+        mean_load = sum(self._load_s) / len(self._load_s) if self._load_s else 0.0
+        mean_rebuild = sum(self._rebuild_s) / len(self._rebuild_s) if self._rebuild_s else 1e-3
+        dropped = set(self.window.prepared) - set(self.window.target(matches))
+        free += entry_bytes * len(dropped)
+        budget = reconstruction_budget(len(missing), free, entry_bytes, t_avl, mean_load * len(missing), mean_rebuild)
+        return self._apply(self.window.plan(matches, budget), budget)
+
+    # ------------------------------------------------------------ internals
+    def _aligned_positions(self, m: Match) -> dict[str, int]:
+        """Current position in every candidate episode: the match itself, and the same progress
+        (fraction of the episode) in the others, which is where retrieval tends to go next."""
+        lengths = self.window.lengths
+        progress = m.index / max(lengths[m.episode_id] - 1, 1)
+        eps = self.retriever.candidate_episodes() or [m.episode_id]
+        out = {m.episode_id: m.index}
+        for e in eps[: self.cfg.window.episodes]:
+            if e not in out:
+                out[e] = min(lengths[e] - 1, round(progress * (lengths[e] - 1)))
+        while len(out) > self.cfg.window.episodes:
+            out.pop(next(k for k in reversed(list(out)) if k != m.episode_id))
+        return out
+
+    def _entry_bytes(self) -> int:
+        if self.entries:
+            return next(iter(self.entries.values())).nbytes()
+        cfg = self.model.cfg
+        layout = self.repo.call_layout or {}
+        n_cams = layout.get("images", [cfg.num_cameras])[0]
+        el = next(self.model.parameters()).element_size()
+        return 2 * (cfg.vlm.depth - 1) * n_cams * cfg.num_image_tokens * cfg.vlm.width * el
+
+    def _apply(self, plan: WindowPlan, budget: int) -> PrepareReport:
+        t0 = time.perf_counter()
+        for key in plan.drop:
+            self.entries.pop(key, None)
+            if key in self.matrix:
+                self.matrix.remove(key)
+        for key in plan.add:
+            t1 = time.perf_counter()
+            call = self.repo.load_call(*key)
+            t2 = time.perf_counter()
+            self.entries[key] = self._reconstruct(key, call)
+            self._load_s.append(t2 - t1)
+            self._rebuild_s.append(time.perf_counter() - t2)
+            self.matrix.put(key, call.retrieval, call.state_history)
+        self.window.commit(plan)
+        return PrepareReport(len(plan.add), len(plan.drop), len(plan.deferred), budget, time.perf_counter() - t0)
+
+    def _reconstruct(self, key: EntryKey, call: ReferenceCall) -> PreparedEntry:
+        device = next(self.model.parameters()).device
+        dtype = next(self.model.parameters()).dtype
+        return reconstruct_entry(self.model, key, stored_images_to_model(call.images).to(device, dtype),
+                                 call.image_mask.to(device), call.tokens.to(device), call.token_mask.to(device),
+                                 call.masks)
+
+    def _clear(self) -> None:
+        self.entries.clear()
+        self.matrix.clear()
+        self.window.reset()
+        self.history.clear()
+        self.last_match = None
+
+    def memory_report(self) -> dict[str, int]:
+        per_entry = self._entry_bytes()
+        return {"bytes_per_stored_call": int(self.repo.nbytes_per_call().get("total", 0)),
+                "bytes_per_prepared_entry": per_entry,
+                "prepared_entries": len(self.entries),
+                "working_set_bytes": sum(e.nbytes() for e in self.entries.values()),
+                "window_capacity_entries": self.cfg.window.capacity}

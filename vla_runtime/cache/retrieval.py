@@ -1,0 +1,340 @@
+"""Choosing a reference for the current policy call (rMuscle §4.2, §5; DESIGN.md §7).
+
+Two stages, because each signal alone is ambiguous: intermediate ViT features say *where* the
+robot is in the scene (cosine similarity, top T), the recent joint trajectory says *which way*
+it is moving through it (RMS joint-angle distance over the aligned history; with several arms
+the worst arm decides). Search runs only over *prepared* entries (those whose expanded states
+the sliding window has already rebuilt), held in a preallocated ``CandidateMatrix`` so that a
+query is one matrix-vector product and a few small reductions.
+
+Episode-level policy: the first query of an episode picks the top-T reference *episodes* that
+later queries are restricted to (and the sliding window follows). A best similarity below the
+threshold switches the rest of the episode to dense; the same reference returned more than the
+task's maximum number of calls means the robot is stuck, which is reported (``stalled``,
+optional ``on_stall`` callback) and left to the caller to act on (reset the episode).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from .repository import ReferenceRepository
+
+Key = tuple[str, int]   # (episode_id, call index)
+
+
+@dataclass
+class RetrievalConfig:
+    """Retrieval parameters. ``arm_slices`` = joint ranges per arm; () means one arm (all of D)."""
+
+    top_t: int = 4
+    history_len: int = 4
+    min_similarity: float = 0.8
+    arm_slices: tuple[tuple[int, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.top_t, int) or self.top_t < 1:
+            raise ValueError(f"RetrievalConfig.top_t must be a positive int, got {self.top_t!r}")
+        if not isinstance(self.history_len, int) or self.history_len < 1:
+            raise ValueError(f"RetrievalConfig.history_len must be a positive int, got {self.history_len!r}")
+        if not isinstance(self.min_similarity, (int, float)) or not -1.0 <= self.min_similarity <= 1.0:
+            raise ValueError(f"RetrievalConfig.min_similarity must lie in [-1, 1], got {self.min_similarity!r}")
+        self.arm_slices = tuple(tuple(s) for s in self.arm_slices)
+        for s in self.arm_slices:
+            if len(s) != 2 or not all(isinstance(x, int) for x in s) or not 0 <= s[0] < s[1]:
+                raise ValueError(f"RetrievalConfig.arm_slices entries must be [start, end) joint ranges, got {s!r}")
+
+
+@dataclass(frozen=True)
+class Match:
+    """The chosen reference: its key, visual cosine similarity, and joint-history distance."""
+
+    episode_id: str
+    index: int
+    similarity: float
+    joint_distance: float
+
+    @property
+    def key(self) -> Key:
+        return (self.episode_id, self.index)
+
+
+@dataclass
+class RetrievalStats:
+    """Cumulative counters over the retriever's lifetime (diagnostics, not control)."""
+
+    queries: int = 0
+    hits: int = 0
+    misses: int = 0            # queries answered None, for any reason
+    fallbacks: int = 0         # episodes switched to dense by low similarity
+    stalls: int = 0            # episodes reported stalled
+    last_similarity: float = float("nan")
+
+
+class CandidateMatrix:
+    """Prepared candidates of one task in preallocated slots.
+
+    Features are flattened, converted to float32 and L2-normalised once on ``put``, so a query
+    costs one ``[capacity, F] @ [F]`` product. Free slots are masked by ``valid``; each slot also
+    carries an integer episode code so episode-level reductions stay vectorised.
+    """
+
+    def __init__(self, capacity: int, feature_dim: int, history_len: int, state_dim: int,
+                 device: str | torch.device = "cpu"):
+        for name, v in (("capacity", capacity), ("feature_dim", feature_dim),
+                        ("history_len", history_len), ("state_dim", state_dim)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"CandidateMatrix.{name} must be a positive int, got {v!r}")
+        self.capacity, self.feature_dim = capacity, feature_dim
+        self.features = torch.zeros(capacity, feature_dim, dtype=torch.float32, device=device)
+        self.histories = torch.zeros(capacity, history_len, state_dim, dtype=torch.float32, device=device)
+        self.valid = torch.zeros(capacity, dtype=torch.bool, device=device)
+        self.episode_code = torch.full((capacity,), -1, dtype=torch.int64, device=device)
+        self.keys: list[Key | None] = [None] * capacity
+        self._slot: dict[Key, int] = {}
+        self._free = list(range(capacity - 1, -1, -1))   # pop() yields the lowest free slot
+        self._codes: dict[str, int] = {}
+        self.episode_of_code: list[str] = []
+
+    @property
+    def device(self) -> torch.device:
+        return self.features.device
+
+    @property
+    def history_len(self) -> int:
+        return self.histories.shape[1]
+
+    @property
+    def state_dim(self) -> int:
+        return self.histories.shape[2]
+
+    def __len__(self) -> int:
+        return len(self._slot)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._slot
+
+    def code(self, episode_id: str) -> int:
+        """Stable integer code of an episode within this matrix (assigned on first use)."""
+        if episode_id not in self._codes:
+            self._codes[episode_id] = len(self.episode_of_code)
+            self.episode_of_code.append(episode_id)
+        return self._codes[episode_id]
+
+    def put(self, key: Key, feature: Tensor, history: Tensor) -> int:
+        """Insert or overwrite one prepared entry; returns its slot."""
+        if feature.numel() != self.feature_dim:
+            raise ValueError(
+                f"candidate {key}: feature has {feature.numel()} elements, matrix holds {self.feature_dim}")
+        if tuple(history.shape) != tuple(self.histories.shape[1:]):
+            raise ValueError(
+                f"candidate {key}: history {tuple(history.shape)}, matrix holds {tuple(self.histories.shape[1:])}")
+        slot = self._slot.get(key)
+        if slot is None:
+            if not self._free:
+                raise ValueError(f"CandidateMatrix is full ({self.capacity} slots); remove an entry first")
+            slot = self._free.pop()
+        f = feature.detach().reshape(-1).to(self.device, torch.float32)
+        self.features[slot] = f / f.norm().clamp_min(1e-12)
+        self.histories[slot] = history.detach().to(self.device, torch.float32)
+        self.valid[slot] = True
+        self.episode_code[slot] = self.code(key[0])
+        self.keys[slot] = key
+        self._slot[key] = slot
+        return slot
+
+    def remove(self, key: Key) -> None:
+        slot = self._slot.pop(key)
+        self.valid[slot] = False
+        self.episode_code[slot] = -1
+        self.keys[slot] = None
+        self._free.append(slot)
+
+    def clear(self) -> None:
+        for key in list(self._slot):
+            self.remove(key)
+
+    @classmethod
+    def from_tensors(cls, keys: list[Key], features: Tensor, histories: Tensor, capacity: int | None = None,
+                     device: str | torch.device = "cpu") -> CandidateMatrix:
+        """Build from stacked rows (e.g. ``repo.retrieval_matrix(task)`` + ``repo.state_histories(task)``)."""
+        if features.shape[0] != len(keys) or histories.shape[0] != len(keys):
+            raise ValueError(f"{len(keys)} keys, {features.shape[0]} feature rows, {histories.shape[0]} histories")
+        m = cls(capacity or max(len(keys), 1), int(features[0].numel()) if len(keys) else 1,
+                histories.shape[1], histories.shape[2], device)
+        for i, key in enumerate(keys):
+            m.put(key, features[i], histories[i])
+        return m
+
+
+class CandidateSource(Protocol):
+    """Where the retriever finds the prepared entries of a task (None = unknown task)."""
+
+    def candidates(self, task: str) -> CandidateMatrix | None: ...
+
+
+class TaskPacks:
+    """The simplest ``CandidateSource``: a fixed matrix per task."""
+
+    def __init__(self, packs: Mapping[str, CandidateMatrix]):
+        self.packs = dict(packs)
+
+    def candidates(self, task: str) -> CandidateMatrix | None:
+        return self.packs.get(task)
+
+
+class Retriever:
+    """Per-episode reference retrieval with fallback and stall detection.
+
+    ``query`` returns a ``Match`` or None (run dense); ``reason`` says why it was None. Stall is
+    reported three ways: ``query`` returns None, ``stalled`` becomes True, and ``on_stall`` (if
+    given) is called with the offending match. The caller resets the episode (``reset`` or
+    ``start_episode``).
+    """
+
+    def __init__(self, cfg: RetrievalConfig, candidates: CandidateSource,
+                 on_stall: Callable[[Match], None] | None = None):
+        self.cfg = cfg
+        self.source = candidates
+        self.on_stall = on_stall
+        self.stats = RetrievalStats()
+        self.task: str | None = None
+        self.max_calls = 0
+        self.reset()
+
+    # ---------------------------------------------------------------- episode state
+
+    def start_episode(self, task: str, max_calls: int) -> None:
+        """Select the task pack for a new episode; ``max_calls`` bounds repeats of one reference."""
+        if not isinstance(max_calls, int) or max_calls < 1:
+            raise ValueError(f"max_calls must be a positive int, got {max_calls!r}")
+        self.task, self.max_calls = task, max_calls
+        self.reset()
+        if self.source.candidates(task) is None:
+            self.reason = f"unknown task {task!r}: no task pack"
+
+    def reset(self) -> None:
+        """Clear per-episode state (fallback, stall, repeat counts, candidate episodes); keeps the task."""
+        self.fallback = False
+        self.stalled = False
+        self.reason = ""
+        self.calls = 0
+        self._repeats: dict[Key, int] = {}
+        self._episodes: list[str] = []
+
+    def candidate_episodes(self) -> list[str]:
+        """The top-T reference episodes chosen by the episode's first successful search."""
+        return list(self._episodes)
+
+    # ---------------------------------------------------------------- query
+
+    def query(self, features: Tensor, state_history: Tensor) -> Match | None:
+        """Pick the prepared reference for this call, or None (dense) with ``reason`` set.
+
+        ``features``: the current call's retrieval features (any shape, flattened).
+        ``state_history``: ``[>= history_len, D]``; the last row is the current state.
+        """
+        if self.task is None:
+            raise RuntimeError("Retriever.query before start_episode")
+        self.stats.queries += 1
+        self.calls += 1
+        match = self._query(features, state_history)
+        if match is None:
+            self.stats.misses += 1
+        else:
+            self.stats.hits += 1
+        return match
+
+    def _query(self, features: Tensor, state_history: Tensor) -> Match | None:
+        if self.stalled or self.fallback:
+            return None                     # latched for the episode; reason already set
+        pack = self.source.candidates(self.task)
+        if pack is None:
+            self.reason = f"unknown task {self.task!r}: no task pack"
+            return None
+        cfg = self.cfg
+        if features.numel() != pack.feature_dim:
+            raise ValueError(f"features have {features.numel()} elements, the task pack's have {pack.feature_dim}")
+        if (state_history.ndim != 2 or state_history.shape[0] < cfg.history_len
+                or state_history.shape[1] != pack.state_dim):
+            raise ValueError(f"state_history must be [>= {cfg.history_len}, {pack.state_dim}], "
+                             f"got {tuple(state_history.shape)}")
+        if pack.history_len < cfg.history_len:
+            raise ValueError(f"task pack histories cover {pack.history_len} calls, "
+                             f"history_len is {cfg.history_len}")
+        arms = cfg.arm_slices or ((0, pack.state_dim),)
+        if any(end > pack.state_dim for _, end in arms):
+            raise ValueError(f"arm_slices {arms} exceed the state dimension {pack.state_dim}")
+
+        q = features.detach().reshape(-1).to(pack.device, torch.float32)
+        q = q / q.norm().clamp_min(1e-12)
+        sims = pack.features @ q                                    # [capacity], float32
+        eligible = pack.valid
+        if self._episodes:
+            codes = [pack.code(e) for e in self._episodes]
+            eligible = eligible & torch.isin(pack.episode_code, torch.tensor(codes, device=pack.device))
+        sims = sims.masked_fill(~eligible, -math.inf)
+        n_eligible = int(eligible.sum())
+        if n_eligible == 0:
+            self.reason = "no prepared candidates"
+            return None
+
+        if not self._episodes:
+            # First search of the episode: top-T episodes by their best-matching entry.
+            n_codes = len(pack.episode_of_code)
+            best_per_episode = torch.full((n_codes,), -math.inf, device=pack.device).scatter_reduce(
+                0, pack.episode_code.clamp_min(0), sims, reduce="amax")
+            n_eps = int(torch.isfinite(best_per_episode).sum())
+            top_eps = best_per_episode.topk(min(cfg.top_t, n_eps)).indices.tolist()
+            self._episodes = [pack.episode_of_code[c] for c in top_eps]
+
+        values, idx = sims.topk(min(cfg.top_t, n_eligible))
+        best = float(values[0])
+        self.stats.last_similarity = best
+        if best < cfg.min_similarity:
+            self.fallback = True
+            self.stats.fallbacks += 1
+            self.reason = (f"fallback: best visual similarity {best:.3f} < {cfg.min_similarity}; "
+                           f"dense for the rest of the episode")
+            return None
+        keep = values >= cfg.min_similarity          # never rerank onto a visually poor match
+        values, idx = values[keep], idx[keep]
+
+        cur = state_history[-cfg.history_len:].detach().to(pack.device, torch.float32)
+        diff2 = (pack.histories[idx, -cfg.history_len:] - cur).square()       # [k, L, D]
+        dist = torch.stack([diff2[:, :, a:b].mean(dim=(1, 2)).sqrt() for a, b in arms], dim=1).amax(dim=1)
+        j = int(dist.argmin())                                     # ties: the visually closer one
+        episode_id, index = pack.keys[int(idx[j])]
+        match = Match(episode_id, index, float(values[j]), float(dist[j]))
+
+        n = self._repeats[match.key] = self._repeats.get(match.key, 0) + 1
+        if n > self.max_calls:
+            self.stalled = True
+            self.stats.stalls += 1
+            self.reason = (f"stall: reference {match.key} retrieved {n} times, more than the task's "
+                           f"{self.max_calls} calls; reset the episode")
+            if self.on_stall is not None:
+                self.on_stall(match)
+            return None
+        self.reason = ""
+        return match
+
+
+def candidates_from_repository(repo: ReferenceRepository, tasks: Iterable[str] | None = None, device: str | torch.device = "cpu",
+                               ) -> TaskPacks:
+    """Every call of every (or the given) task as prepared candidates: for small repositories,
+    offline analysis and tests, where the whole pack fits in memory."""
+    packs = {}
+    for task in (repo.tasks() if tasks is None else tasks):
+        keys, feats = repo.retrieval_matrix(task)
+        _, hist = repo.state_histories(task)
+        if keys:
+            packs[task] = CandidateMatrix.from_tensors(keys, feats, hist, device=device)
+    return TaskPacks(packs)

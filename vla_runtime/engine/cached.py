@@ -1,0 +1,68 @@
+"""The cached engine: the dense engine with rMuscle's Context Cache and Action Cache swapped in.
+
+It decides per call, from the reference the cache manager hands it, which FFNs run in full:
+with no reference (nothing similar known, fallback, camera layout differs) it is exactly the
+dense engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..cache.action_cache import ActionCache, ActionCacheBuffers
+from ..cache.context_cache import ContextCache
+from ..cache.entry import PreparedEntry
+from ..cache.masks import DEFAULT_GROUPS, Groups, validate_groups
+from ..models.gemma import DenoiseFFN, PrefillFFN
+from ..models.pi05 import Pi05Model
+from .dense import DenseEngine, ModelInputs
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    rho_p: float = 0.4                    # fraction of visual tokens recomputed per VLM layer
+    rho_n: float = 0.5                    # fraction of expert MLP neurons computed at non-anchor steps
+    groups: Groups = DEFAULT_GROUPS       # denoising step groups; each group's first step is a dense anchor
+    context_cache: bool = True
+    action_cache: bool = True
+
+    def validate(self, num_steps: int) -> "CacheConfig":
+        if not 0.0 < self.rho_p <= 1.0 or not 0.0 < self.rho_n <= 1.0:
+            raise ValueError(f"rho_p and rho_n must be in (0, 1], got {self.rho_p}, {self.rho_n}")
+        validate_groups(self.groups, num_steps)
+        return self
+
+    def mask_size(self, mlp_dim: int) -> int:
+        import math
+        return min(mlp_dim, math.ceil(self.rho_n * mlp_dim))
+
+
+class CachedEngine(DenseEngine):
+    def __init__(self, model: Pi05Model, cache: CacheConfig = CacheConfig(), **kwargs):
+        super().__init__(model, max_batch=1, tap_retrieval_features=True, **kwargs)
+        self.cache = cache.validate(model.cfg.num_steps)
+        k = cache.mask_size(model.cfg.expert.mlp_dim)
+        self.buffers = ActionCacheBuffers(model.cfg, k, self.dtype, self.device)
+        self.last_context: ContextCache | None = None
+
+    def usable(self, entry: PreparedEntry, inputs: ModelInputs) -> bool:
+        """A reference serves the Context Cache only with the same camera layout."""
+        return inputs.image_mask.shape[1] == entry.image_mask.shape[0] and bool(
+            torch.equal(inputs.image_mask[0].cpu(), entry.image_mask.cpu()))
+
+    def _prefill_ffn(self, reference: object | None, inputs: ModelInputs) -> PrefillFFN | None:
+        self.last_context = None
+        if not (self.cache.context_cache and isinstance(reference, PreparedEntry) and self.usable(reference, inputs)):
+            return None
+        self.last_context = ContextCache(reference, self.cache.rho_p)
+        return self.last_context
+
+    def _denoise_ffn(self, reference: object | None) -> DenoiseFFN | None:
+        if not (self.cache.action_cache and isinstance(reference, PreparedEntry) and reference.masks is not None):
+            return None
+        if reference.masks.shape[-1] != self.buffers.k:
+            raise ValueError(f"reference masks hold {reference.masks.shape[-1]} neurons, the engine expects "
+                             f"{self.buffers.k} (rho_n={self.cache.rho_n}); rebuild the repository's masks")
+        return ActionCache(self.buffers, reference.masks, self.cache.groups, self.cfg.num_steps)
