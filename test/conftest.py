@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import io
 import random
 from pathlib import Path
 
 import pytest
-import sentencepiece
+
+from vla_runtime.models.tokenizer import train_prompt_tokenizer
 
 _WORDS = (
     "pick up the red green blue cube block cup bowl spoon fork drawer open close put place "
@@ -35,28 +35,7 @@ def tiny_tokenizer_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     identity normalisation (whitespace and newlines kept), digits split, and ``"\\n"`` as
     its own piece. Trains in a few tens of milliseconds.
     """
-    buf = io.BytesIO()
-    sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(_prompt_corpus()),
-        model_writer=buf,
-        vocab_size=300,
-        model_type="bpe",
-        pad_id=0,
-        eos_id=1,
-        bos_id=2,
-        unk_id=3,
-        add_dummy_prefix=False,
-        normalization_rule_name="identity",
-        remove_extra_whitespaces=False,
-        split_digits=True,
-        user_defined_symbols=["\n"],
-        character_coverage=1.0,
-        num_threads=1,
-        minloglevel=2,
-    )
-    path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.model"
-    path.write_bytes(buf.getvalue())
-    return path
+    return train_prompt_tokenizer(_prompt_corpus(), tmp_path_factory.mktemp("tokenizer") / "tokenizer.model")
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""``vla-runtime``: the ROS-free command line (bench, inspect; more commands join as they land)."""
+"""``vla-runtime``: the ROS-free command line (bench, inspect, build-cache, demo-data)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,76 @@ from .models.checkpoint import CheckpointError
 from .models.config import PRESETS
 
 
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _camera_topics(items: list[str]) -> dict[str, str]:
+    """``name=/topic`` pairs, in the model's camera order."""
+    out = {}
+    for item in items:
+        name, sep, topic = item.partition("=")
+        if not sep or not name or not topic.startswith("/"):
+            raise ValueError(f"--camera expects NAME=/topic, got {item!r}")
+        out[name] = topic
+    if not out:
+        raise ValueError("at least one --camera NAME=/topic is needed")
+    return out
+
+
 def _bench(args: argparse.Namespace) -> int:
+    if args.cache:
+        from .tools.cache_bench import CacheBenchSpec, run_cache_bench, write_json as write
+
+        if not (args.checkpoint and args.bags and args.camera):
+            raise ValueError("--cache needs --checkpoint, --bags and --camera NAME=/topic")
+        spec = CacheBenchSpec(checkpoint=args.checkpoint, repository=args.cache, bags=args.bags,
+                              cameras=_camera_topics(args.camera), call_period=args.call_period, rho_p=args.rho_p,
+                              time_available_s=args.time_available, threads=args.threads, seed=args.seed)
+        write(run_cache_bench(spec, log=_log), args.out)
+        return 0
     from .tools.bench import BenchSpec, run_bench, write_json
 
     spec = BenchSpec(**{f.name: getattr(args, f.name) for f in fields(BenchSpec)})
-    write_json(run_bench(spec, log=lambda m: print(m, file=sys.stderr)), args.out)
+    write_json(run_bench(spec, log=_log), args.out)
+    return 0
+
+
+def _build_cache(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .cache.builder import BuildConfig, admit_episode, build_repository
+    from .cache.repository import ReferenceRepository
+    from .engine.policy import Pi05Policy
+    from .io.bags import BagTopics, list_episode_bags
+
+    cams = _camera_topics(args.camera)
+    topics = BagTopics(cameras=cams, joint_states=args.state_topic, instruction=args.instruction_topic,
+                       outcome=args.outcome_topic or None)
+    policy = Pi05Policy.from_checkpoint(args.checkpoint, camera_names=list(cams))
+    bags = list_episode_bags(args.bags)
+    if args.admit:
+        repo = ReferenceRepository.open(args.out, expect_checkpoint_hash=policy.checkpoint_hash)
+        for bag in bags:
+            admit_episode(policy, repo, bag, topics, args.call_period, args.max_episodes_per_task, log=_log)
+        return 0
+    summary = build_repository(policy, policy.checkpoint_hash, bags, Path(args.out), topics, args.call_period,
+                               BuildConfig(rho_n=args.rho_n, history_len=args.history), args.profile,
+                               tolerance=args.tolerance, adopt_profiled=args.adopt_profiled, log=_log)
+    text = json.dumps(summary.as_dict(), indent=2)
+    if args.summary:
+        Path(args.summary).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.summary).write_text(text)
+    print(text)
+    return 0
+
+
+def _demo_data(args: argparse.Namespace) -> int:
+    from .tools.demo import DemoSpec, make_demo
+
+    info = make_demo(args.out, DemoSpec(preset=args.preset, episodes=args.episodes, held_out=args.held_out,
+                                        seed=args.seed), log=_log)
+    print(json.dumps(info, indent=2))
     return 0
 
 
@@ -53,7 +118,45 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--gemm-size", dest="gemm_size", type=int, default=2048, help="square matmul size for the throughput ceiling")
     b.add_argument("--out", default=None, help="also write the JSON here")
+    b.add_argument("--cache", default=None, metavar="REPO",
+                   help="dense vs cached on recorded episodes (--bags) with this reference repository")
+    b.add_argument("--bags", default=None, help="with --cache: directory of held-out episode bags")
+    b.add_argument("--camera", action="append", default=[], metavar="NAME=/topic", help="with --cache: camera topics, in order")
+    b.add_argument("--call-period", dest="call_period", type=float, default=0.5, help="seconds between policy calls")
+    b.add_argument("--rho-p", dest="rho_p", type=float, default=0.4, help="fraction of visual tokens recomputed")
+    b.add_argument("--time-available", dest="time_available", type=float, default=1.0,
+                   help="seconds between calls for window reconstruction (T_avl)")
     b.set_defaults(func=_bench)
+
+    c = sub.add_parser("build-cache", help="build a reference repository from recorded episodes (rosbag2)")
+    c.add_argument("--checkpoint", required=True, help="the checkpoint the repository is tied to")
+    c.add_argument("--bags", required=True, help="a bag or a directory of episode bags")
+    c.add_argument("--out", required=True, help="repository directory (must not exist, unless --admit)")
+    c.add_argument("--camera", action="append", default=[], metavar="NAME=/topic", help="camera topics, in model order")
+    c.add_argument("--state-topic", default="/joint_states")
+    c.add_argument("--instruction-topic", default="/instruction")
+    c.add_argument("--outcome-topic", default="/episode_outcome", help="'' when the bags have none")
+    c.add_argument("--call-period", dest="call_period", type=float, default=0.5, help="seconds between policy calls")
+    c.add_argument("--rho-n", dest="rho_n", type=float, default=0.5, help="fraction of expert neurons in the masks")
+    c.add_argument("--history", type=int, default=4, help="joint-history length L for retrieval")
+    c.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="hold out N episodes per task to profile rho_p/rho_n (quality vs cost curve)")
+    c.add_argument("--tolerance", type=float, default=0.05, help="max mean relative action deviation when profiling")
+    c.add_argument("--adopt-profiled", dest="adopt_profiled", action="store_true",
+                   help="store the masks at the profiled rho_n instead of --rho-n")
+    c.add_argument("--admit", action="store_true", help="admit the bags online into an existing repository")
+    c.add_argument("--max-episodes-per-task", dest="max_episodes_per_task", type=int, default=50,
+                   help="bound on the repository with --admit (oldest evicted)")
+    c.add_argument("--summary", default=None, help="also write the build summary JSON here")
+    c.set_defaults(func=_build_cache)
+
+    d = sub.add_parser("demo-data", help="write a demo checkpoint (random weights) and synthetic episode bags")
+    d.add_argument("--out", required=True)
+    d.add_argument("--preset", default="pi05-small", choices=sorted(PRESETS))
+    d.add_argument("--episodes", type=int, default=8)
+    d.add_argument("--held-out", dest="held_out", type=int, default=2)
+    d.add_argument("--seed", type=int, default=0)
+    d.set_defaults(func=_demo_data)
 
     i = sub.add_parser("inspect", help="validate a checkpoint and print its architecture")
     i.add_argument("checkpoint")
@@ -66,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (CheckpointError, ValueError, FileNotFoundError) as e:
+    except (CheckpointError, ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"vla-runtime {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from ..models.pi05 import Pi05Model
 from .entry import EntryKey, PreparedEntry, reconstruct_entry
-from .repository import ReferenceCall, ReferenceRepository
+from .repository import ReferenceCall, ReferenceRepository, RepositoryError
 from .retrieval import CandidateMatrix, Match, RetrievalConfig, Retriever
 from .window import SlidingWindow, WindowConfig, WindowPlan, reconstruction_budget
 
@@ -76,6 +76,21 @@ class CacheManager:
         self.last_match: Match | None = None
         self._rebuild_s: list[float] = []
         self._load_s: list[float] = []
+
+    @classmethod
+    def open(cls, model: Pi05Model, root, checkpoint_hash: str, cfg: ManagerConfig = ManagerConfig(),
+             expect_model: dict | None = None) -> "CacheManager | None":
+        """The manager for a repository, or None (run dense) when the repository is refused.
+
+        A damaged, mismatched or empty repository must never stop the robot: the reason is
+        logged and the runtime carries on without the cache.
+        """
+        try:
+            repo = ReferenceRepository.open(root, expect_checkpoint_hash=checkpoint_hash, expect_model=expect_model)
+            return cls(model, repo, cfg)
+        except (RepositoryError, ValueError, OSError) as e:
+            log.warning("muscle-memory cache disabled, running dense: %s", e)
+            return None
 
     # ------------------------------------------------------------ CandidateSource
     def candidates(self, task: str) -> CandidateMatrix | None:

@@ -57,6 +57,7 @@ class Pi05Policy:
         self.state_norm = state_norm
         self.action_norm = action_norm
         self.camera_names = list(camera_names)
+        self.checkpoint_hash: str | None = None  # set when built from a checkpoint directory
         size = cfg.vision.image_size
         self.images = images or ImagePreprocessor(size=(size, size))
 
@@ -66,7 +67,9 @@ class Pi05Policy:
         ck = load_checkpoint(ckpt_dir, dtype=dtype, device=device)
         state_norm, action_norm = normalizers_from_checkpoint(ckpt_dir)
         tok = PromptTokenizer.from_checkpoint_dir(ckpt_dir, max_length=ck.config.max_token_len)
-        return cls(DenseEngine(ck.model, max_batch=max_batch), tok, state_norm, action_norm, camera_names)
+        policy = cls(DenseEngine(ck.model, max_batch=max_batch), tok, state_norm, action_norm, camera_names)
+        policy.checkpoint_hash = ck.content_hash
+        return policy
 
     @property
     def state_dim(self) -> int:

@@ -490,7 +490,7 @@ def save_lerobot_normalization(ckpt_dir: str | Path, stats: Stats, *, state_key:
     ]}
 
     def flat(s: Stats) -> dict[str, torch.Tensor]:
-        return {f"{k}.{name}": t.contiguous() for k, sub in s.items() for name, t in sub.items()}
+        return {f"{k}.{name}": t.detach().clone().contiguous() for k, sub in s.items() for name, t in sub.items()}
 
     (ckpt / PREPROCESSOR_CONFIG).write_text(json.dumps(pre_cfg, indent=2))
     (ckpt / POSTPROCESSOR_CONFIG).write_text(json.dumps(post_cfg, indent=2))

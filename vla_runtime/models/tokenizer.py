@@ -243,3 +243,28 @@ class PromptTokenizer:
             f"PromptTokenizer(model_file={str(self.model_file)!r}, vocab_size={self.vocab_size}, "
             f"max_length={self.max_length}, truncate={self.truncate})"
         )
+
+
+def train_prompt_tokenizer(prompts: Sequence[str], path: str | os.PathLike[str], vocab_size: int = 300,
+                           exact_vocab: bool = True) -> Path:
+    """Train a small SentencePiece model laid out like PaliGemma's (tests, demos, synthetic robots).
+
+    Same special ids as PaliGemma/Gemma (pad 0, eos 1, bos 2, unk 3), no dummy prefix, identity
+    normalisation (whitespace and newlines kept), digits split, ``"\\n"`` as its own piece. The
+    real checkpoints ship the 257152-piece PaliGemma model; nothing is downloaded. With
+    ``exact_vocab=False`` the vocabulary may come out smaller when the prompts hold fewer pieces.
+    """
+    import io
+
+    if not prompts:
+        raise ValueError("need at least one prompt to train a tokenizer")
+    buf = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(list(prompts)), model_writer=buf, vocab_size=vocab_size, model_type="bpe",
+        pad_id=0, eos_id=1, bos_id=2, unk_id=3, add_dummy_prefix=False, normalization_rule_name="identity",
+        remove_extra_whitespaces=False, split_digits=True, user_defined_symbols=["\n"], character_coverage=1.0,
+        num_threads=1, minloglevel=2, hard_vocab_limit=exact_vocab)
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(buf.getvalue())
+    return out

@@ -1,0 +1,324 @@
+"""Building the reference repository from recorded episodes, and profiling rho_p / rho_n.
+
+``vla-runtime build-cache`` runs here: each successful episode (a rosbag2 bag) is replayed as the
+policy calls it would have made; every call is run densely once to record its compact inputs,
+its retrieval features and its neuron contribution scores, from which the Action Cache masks are
+built. Profiling replays held-out episodes against the others, dense and cached side by side,
+and picks the cheapest ratios whose action deviation stays within a tolerance.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from ..engine.cached import CacheConfig, CachedEngine
+from ..engine.dense import DenseEngine, ModelInputs
+from ..engine.policy import Observation, Pi05Policy
+from ..io.bags import BagTopics, Episode, read_episode
+from ..models.config import Pi05Config
+from ..models.gemma import DenoiseFFN
+from ..models.pi05 import Pi05Model
+from ..tools.flops import cached_flops, dense_flops
+from .entry import PreparedEntry, reconstruct_entry
+from .manager import model_images_to_stored
+from .masks import DEFAULT_GROUPS, ContributionRecorder, Groups, group_masks, validate_groups
+from .repository import ReferenceCall, ReferenceRepository, RepositoryMeta
+from .retrieval import CandidateMatrix, RetrievalConfig, Retriever, TaskPacks
+
+Log = Callable[[str], None]
+DEFAULT_GRID: tuple[tuple[float, float], ...] = ((0.2, 0.25), (0.4, 0.5), (0.6, 0.75), (1.0, 1.0))
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    rho_n: float = 0.5
+    groups: Groups = DEFAULT_GROUPS
+    history_len: int = 4
+    noise_seed: int = 0
+    skip_failed: bool = True  # episodes whose outcome says "failure" are not references
+
+    def validate(self, num_steps: int) -> "BuildConfig":
+        if not 0.0 < self.rho_n <= 1.0:
+            raise ValueError(f"rho_n must be in (0, 1], got {self.rho_n}")
+        if self.history_len < 1:
+            raise ValueError("history_len must be >= 1")
+        validate_groups(self.groups, num_steps)
+        return self
+
+
+def model_summary(cfg: Pi05Config) -> dict:
+    """What a repository must agree with to be reused (architecture, not weights: see the hash)."""
+    return {"vision_depth": cfg.vision.depth, "vision_width": cfg.vision.width, "vlm_depth": cfg.vlm.depth,
+            "vlm_width": cfg.vlm.width, "expert_depth": cfg.expert.depth, "expert_mlp": cfg.expert.mlp_dim,
+            "num_image_tokens": cfg.num_image_tokens, "chunk_size": cfg.chunk_size, "num_steps": cfg.num_steps}
+
+
+@dataclass
+class RecordedCall:
+    """A call as stored, plus what profiling needs and the repository does not keep."""
+
+    call: ReferenceCall
+    scores: Tensor           # [steps, expert depth, H] contribution scores (Eq. 1)
+    inputs: ModelInputs
+    noise: Tensor
+    actions: Tensor          # dense actions (model space)
+
+
+class _ProfilingEngine(DenseEngine):
+    """The dense engine with a contribution recorder in the denoising loop."""
+
+    def __init__(self, model: Pi05Model):
+        super().__init__(model, max_batch=1, tap_retrieval_features=True)
+        self.recorder: ContributionRecorder | None = None
+
+    def _denoise_ffn(self, reference: object | None) -> DenoiseFFN | None:
+        self.recorder = ContributionRecorder(self.model)
+        return self.recorder
+
+
+class EpisodeRecorder:
+    def __init__(self, policy: Pi05Policy, cfg: BuildConfig):
+        self.policy = policy
+        self.cfg = cfg.validate(policy.engine.cfg.num_steps)
+        self.engine = _ProfilingEngine(policy.engine.model)
+
+    def record(self, episode: Episode, log: Log = lambda m: None) -> list[RecordedCall]:
+        out: list[RecordedCall] = []
+        states: list[Tensor] = []
+        n = self.cfg.history_len
+        for i, frame in enumerate(episode.frames):
+            task = getattr(frame, "instruction", None) or episode.task
+            inputs = self.policy.prepare(Observation(images=frame.images, state=frame.state, task=task))
+            noise = self.engine.make_noise(1, torch.Generator().manual_seed(self.cfg.noise_seed + i))
+            result = self.engine.infer(inputs, noise=noise)
+            scores = self.engine.recorder.scores.clone()
+            state = torch.as_tensor(frame.state, dtype=torch.float32)
+            states.append(state)
+            hist = states[-n:]
+            call = ReferenceCall(
+                images=model_images_to_stored(inputs.images[0]), image_mask=inputs.image_mask[0].clone(),
+                tokens=inputs.tokens[0].clone(), token_mask=inputs.token_mask[0].clone(), state=state.clone(),
+                state_history=torch.stack([hist[0]] * (n - len(hist)) + hist),
+                retrieval=result.retrieval_features[0].flatten(0, 1).to(torch.float16).cpu(),
+                masks=group_masks(scores, self.cfg.groups, self.cfg.rho_n).to(torch.int32).cpu())
+            out.append(RecordedCall(call, scores, inputs, noise, result.actions))
+            log(f"  call {i + 1}/{len(episode.frames)}")
+        return out
+
+
+def with_masks(recorded: Sequence[RecordedCall], groups: Groups, rho_n: float) -> list[ReferenceCall]:
+    """The calls with masks rebuilt at ``rho_n`` (from the recorded scores)."""
+    out = []
+    for r in recorded:
+        fields = {k: getattr(r.call, k) for k in r.call.__dataclass_fields__}
+        fields["masks"] = group_masks(r.scores, groups, rho_n).to(torch.int32)
+        out.append(ReferenceCall(**fields))
+    return out
+
+
+# --------------------------------------------------------------------------- profiling
+@dataclass
+class ProfilePoint:
+    rho_p: float
+    rho_n: float
+    calls: int
+    hits: int
+    mean_deviation: float        # relative L2 of the chunk vs dense, mean over cached calls
+    worst_deviation: float
+    flops_fraction: float        # estimated useful FLOPs of a cached call / dense call
+    median_speedup: float        # measured dense / cached total per call (this machine)
+
+
+def _relative_l2(a: Tensor, b: Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+@torch.no_grad()
+def profile_ratios(model: Pi05Model, references: dict[str, list[RecordedCall]], held_out: dict[str, list[RecordedCall]],
+                   task_of: dict[str, str], grid: Sequence[tuple[float, float]], groups: Groups,
+                   retrieval: RetrievalConfig, log: Log = lambda m: None) -> list[ProfilePoint]:
+    """Replay held-out episodes against the references: dense vs cached at every grid point.
+
+    Every reference call is a candidate (the whole task pack, as if prepared); the matched
+    reference is reconstructed once and reused across grid points.
+    """
+    packs: dict[str, CandidateMatrix] = {}
+    for task in set(task_of[e] for e in references):
+        keys = [(e, i) for e, calls in references.items() if task_of[e] == task for i in range(len(calls))]
+        feats = torch.stack([references[e][i].call.retrieval.float().flatten() for e, i in keys])
+        hists = torch.stack([references[e][i].call.state_history for e, i in keys])
+        packs[task] = CandidateMatrix.from_tensors(keys, feats, hists)
+    retriever = Retriever(retrieval, TaskPacks(packs))
+    dense = DenseEngine(model, tap_retrieval_features=True)
+    entries: dict[tuple[str, int], PreparedEntry] = {}
+    devs: dict[tuple[float, float], list[float]] = {p: [] for p in grid}
+    speed: dict[tuple[float, float], list[float]] = {p: [] for p in grid}
+    calls = 0
+    for eid, recs in held_out.items():
+        task = task_of[eid]
+        retriever.start_episode(task, max_calls=max(len(c) for c in references.values()))
+        for i, rec in enumerate(recs):
+            calls += 1
+            d = dense.infer(rec.inputs, noise=rec.noise)
+            match = retriever.query(d.retrieval_features, rec.call.state_history)
+            if match is None:
+                continue
+            ref = references[match.episode_id][match.index]
+            if match.key not in entries:
+                c = ref.call
+                entries[match.key] = reconstruct_entry(
+                    model, match.key, (c.images.permute(0, 3, 1, 2).float() / 127.5 - 1.0).to(d.actions.device),
+                    c.image_mask, c.tokens, c.token_mask, None)
+            base = entries[match.key]
+            for rho_p, rho_n in grid:
+                entry = PreparedEntry(base.key, base.ffn_in, base.ffn_out, base.image_mask,
+                                      group_masks(ref.scores, groups, rho_n))
+                eng = CachedEngine(model, CacheConfig(rho_p=rho_p, rho_n=rho_n, groups=groups))
+                out = eng.infer(rec.inputs, noise=rec.noise, select=lambda f, x, e=entry: e)
+                devs[(rho_p, rho_n)].append(_relative_l2(out.actions, d.actions))
+                speed[(rho_p, rho_n)].append(d.times.total / out.times.total)
+            log(f"  profiled {eid} call {i + 1}/{len(recs)} (reference {match.episode_id}[{match.index}], "
+                f"similarity {match.similarity:.3f})")
+    cfg = model.cfg
+    prefix = cfg.num_cameras * cfg.num_image_tokens + 64
+    points = []
+    for p in grid:
+        v = devs[p]
+        points.append(ProfilePoint(
+            rho_p=p[0], rho_n=p[1], calls=calls, hits=len(v),
+            mean_deviation=statistics.fmean(v) if v else float("nan"), worst_deviation=max(v) if v else float("nan"),
+            flops_fraction=cached_flops(cfg, prefix, cfg.num_cameras * cfg.num_image_tokens, p[0], p[1], len(groups))
+            / dense_flops(cfg, prefix, cfg.num_cameras),
+            median_speedup=statistics.median(speed[p]) if speed[p] else float("nan")))
+    return points
+
+
+def choose_ratios(points: Sequence[ProfilePoint], tolerance: float) -> ProfilePoint | None:
+    """The cheapest point (estimated FLOPs) whose mean deviation is within ``tolerance``."""
+    ok = [p for p in points if p.hits and p.mean_deviation <= tolerance]
+    return min(ok, key=lambda p: p.flops_fraction) if ok else None
+
+
+# --------------------------------------------------------------------------- the command
+@dataclass
+class BuildSummary:
+    repository: str
+    episodes: int
+    calls: int
+    skipped: list[str] = field(default_factory=list)
+    rho_p: float | None = None
+    rho_n: float = 0.5
+    profile: list[dict] = field(default_factory=list)
+    bytes_per_call: dict = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def build_repository(policy: Pi05Policy, checkpoint_hash: str, bags: Sequence[Path], out: Path, topics: BagTopics,
+                     call_period: float, cfg: BuildConfig = BuildConfig(), profile_held_out: int = 0,
+                     grid: Sequence[tuple[float, float]] = DEFAULT_GRID, tolerance: float = 0.05,
+                     retrieval: RetrievalConfig = RetrievalConfig(), adopt_profiled: bool = False,
+                     log: Log = print) -> BuildSummary:
+    """Record every successful episode, optionally profile the ratios, write the repository.
+
+    With ``adopt_profiled`` the masks are stored at the profiled rho_n (and the profiled rho_p is
+    reported for the runtime); otherwise the configured rho_n is kept and the curve is a report.
+    """
+    t0 = time.perf_counter()
+    model = policy.engine.model
+    cfg = cfg.validate(model.cfg.num_steps)
+    recorder = EpisodeRecorder(policy, cfg)
+    recorded: dict[str, list[RecordedCall]] = {}
+    task_of: dict[str, str] = {}
+    source: dict[str, str] = {}
+    skipped = []
+    for k, path in enumerate(bags, start=1):
+        episode = read_episode(path, topics, call_period, state_dim=policy.state_dim)
+        if episode.success is False and cfg.skip_failed:
+            log(f"[{k}/{len(bags)}] {path}: outcome 'failure', skipped")
+            skipped.append(str(path))
+            continue
+        eid = _episode_id(path, recorded)
+        log(f"[{k}/{len(bags)}] {path}: task {episode.task!r}, {len(episode.frames)} calls")
+        recorded[eid] = recorder.record(episode, log)
+        task_of[eid] = episode.task
+        source[eid] = str(path)
+    if not recorded:
+        raise ValueError("no successful episode to build a repository from")
+
+    summary = BuildSummary(str(out), len(recorded), sum(len(v) for v in recorded.values()), skipped, rho_n=cfg.rho_n)
+    if profile_held_out > 0:
+        held = _held_out(recorded, task_of, profile_held_out)
+        if not held:
+            log("profiling skipped: every task needs at least one reference episode besides the held-out ones")
+        else:
+            refs = {e: v for e, v in recorded.items() if e not in held}
+            log(f"profiling rho_p/rho_n on {len(held)} held-out episode(s) against {len(refs)} ...")
+            points = profile_ratios(model, refs, {e: recorded[e] for e in held}, task_of, grid, cfg.groups,
+                                    retrieval, log)
+            summary.profile = [asdict(p) for p in points]
+            best = choose_ratios(points, tolerance)
+            if best is not None:
+                summary.rho_p = best.rho_p
+                if adopt_profiled:
+                    summary.rho_n = best.rho_n
+            log("rho_p  rho_n  hits  mean_dev  worst_dev  flops  speedup")
+            for p in points:
+                log(f"{p.rho_p:5.2f}  {p.rho_n:5.2f}  {p.hits:4d}  {p.mean_deviation:8.4f}  {p.worst_deviation:9.4f}  "
+                    f"{p.flops_fraction:5.2f}  {p.median_speedup:7.2f}")
+    meta = RepositoryMeta(checkpoint_hash=checkpoint_hash, model=model_summary(model.cfg),
+                          retrieval_layer=model.cfg.retrieval_layer, rho_n=summary.rho_n,
+                          mask_groups=[list(g) for g in cfg.groups], history_len=cfg.history_len)
+    repo = ReferenceRepository.create(out, meta)
+    for eid, calls in recorded.items():
+        repo.add_episode(eid, task_of[eid], with_masks(calls, cfg.groups, summary.rho_n), source=source[eid])
+    summary.bytes_per_call = repo.nbytes_per_call()
+    summary.seconds = time.perf_counter() - t0
+    log(f"repository {out}: {summary.episodes} episodes, {summary.calls} calls, "
+        f"{summary.bytes_per_call.get('total', 0) / 1e6:.2f} MB per call, rho_n={summary.rho_n}"
+        + (f", profiled rho_p={summary.rho_p}" if summary.rho_p is not None else ""))
+    return summary
+
+
+def admit_episode(policy: Pi05Policy, repo: ReferenceRepository, bag: Path, topics: BagTopics, call_period: float,
+                  max_episodes_per_task: int, max_bytes: int | None = None, log: Log = print) -> list[str]:
+    """Online admission of a new successful episode, keeping the task within its bound."""
+    meta = repo.meta
+    cfg = BuildConfig(rho_n=meta.rho_n, groups=tuple(tuple(g) for g in meta.mask_groups), history_len=meta.history_len)
+    episode = read_episode(bag, topics, call_period, state_dim=policy.state_dim)
+    if episode.success is False:
+        raise ValueError(f"{bag}: outcome 'failure'; only successful episodes are admitted")
+    recorded = EpisodeRecorder(policy, cfg).record(episode, log)
+    eid = _episode_id(bag, {e.episode_id: None for e in repo.episodes()})
+    evicted = repo.admit(eid, episode.task, [r.call for r in recorded], max_episodes_per_task, max_bytes, source=str(bag))
+    log(f"admitted {eid} ({len(recorded)} calls); evicted {evicted or 'none'}")
+    return evicted
+
+
+def _episode_id(path: Path, taken) -> str:
+    base = "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in Path(path).name)[:100] or "episode"
+    base = base if base[0].isalnum() else "e" + base
+    eid, n = base, 1
+    while eid in taken:
+        n += 1
+        eid = f"{base}_{n}"
+    return eid
+
+
+def _held_out(recorded: dict, task_of: dict[str, str], per_task: int) -> list[str]:
+    held = []
+    for task in dict.fromkeys(task_of.values()):
+        eps = [e for e in recorded if task_of[e] == task]
+        if len(eps) > per_task:
+            held += eps[-per_task:]
+    return held

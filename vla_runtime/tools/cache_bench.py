@@ -1,0 +1,148 @@
+"""``vla-runtime bench --cache``: dense vs cached, side by side, on the same recorded episodes.
+
+Every call of every held-out episode runs twice on the same inputs and noise: once through the
+dense engine, once through the cached engine with the cache manager choosing the reference
+(retrieval, sliding window, fallback). Window reconstruction runs between calls, as it would
+while the robot executes a chunk; it is timed and reported separately, not in call latency.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..cache.builder import model_summary
+from ..cache.manager import CacheManager, ManagerConfig
+from ..cache.repository import ReferenceRepository, RepositoryError
+from ..cache.retrieval import RetrievalConfig
+from ..engine.cached import CacheConfig, CachedEngine
+from ..engine.policy import Observation, Pi05Policy
+from ..io.bags import BagTopics, list_episode_bags, read_episode
+
+PHASES = ("vision", "retrieve", "prefill", "denoise", "total")
+
+
+@dataclass
+class CacheBenchSpec:
+    checkpoint: str
+    repository: str
+    bags: str
+    cameras: dict[str, str]
+    call_period: float = 0.5
+    rho_p: float = 0.4
+    time_available_s: float = 1.0
+    threads: int | None = None
+    seed: int = 0
+    joint_states: str = "/joint_states"
+    instruction: str = "/instruction"
+    arm_slices: tuple[tuple[int, int], ...] = ()
+    extra: dict = field(default_factory=dict)
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def run_cache_bench(spec: CacheBenchSpec, log=print) -> dict:
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    load_before = os.getloadavg()
+    policy = Pi05Policy.from_checkpoint(spec.checkpoint, camera_names=list(spec.cameras))
+    model = policy.engine.model
+    try:
+        repo = ReferenceRepository.open(spec.repository, expect_checkpoint_hash=policy.checkpoint_hash,
+                                        expect_model=model_summary(model.cfg))
+    except RepositoryError as e:
+        raise RepositoryError(f"cannot use the repository, nothing to compare against dense: {e}") from None
+    mcfg = ManagerConfig(retrieval=RetrievalConfig(history_len=repo.meta.history_len, arm_slices=spec.arm_slices),
+                         default_time_available_s=spec.time_available_s)
+    manager = CacheManager(model, repo, mcfg)
+    cache_cfg = CacheConfig(rho_p=spec.rho_p, rho_n=repo.meta.rho_n,
+                            groups=tuple(tuple(g) for g in repo.meta.mask_groups))
+    cached = CachedEngine(model, cache_cfg)
+    dense = policy.engine
+    topics = BagTopics(cameras=spec.cameras, joint_states=spec.joint_states, instruction=spec.instruction)
+
+    dense_t: dict[str, list[float]] = {p: [] for p in PHASES}
+    cached_t: dict[str, list[float]] = {p: [] for p in PHASES}
+    hit_dense: dict[str, list[float]] = {p: [] for p in PHASES}
+    hit_cached: dict[str, list[float]] = {p: [] for p in PHASES}
+    devs, prep_s, initial_s, reasons = [], [], [], {}
+    calls = hits = 0
+    bags = list_episode_bags(spec.bags)
+    for k, bag in enumerate(bags, start=1):
+        episode = read_episode(bag, topics, spec.call_period, state_dim=policy.state_dim)
+        t0 = time.perf_counter()
+        manager.start_episode(episode.task)
+        initial_s.append(time.perf_counter() - t0)
+        log(f"[{k}/{len(bags)}] {bag.name}: {len(episode.frames)} calls, initial window "
+            f"{len(manager.entries)} entries in {initial_s[-1]:.1f} s")
+        for i, frame in enumerate(episode.frames):
+            inputs = policy.prepare(Observation(frame.images, frame.state, frame.instruction or episode.task))
+            noise = dense.make_noise(1, torch.Generator().manual_seed(spec.seed + 1000 * k + i))
+            manager.observe_state(torch.as_tensor(frame.state))
+            d = dense.infer(inputs, noise=noise)
+            c = cached.infer(inputs, noise=noise, select=manager.select)
+            calls += 1
+            hit = c.reference is not None
+            for p in PHASES:
+                dt = d.times.as_dict().get(p, 0.0)
+                ct = c.times.as_dict().get(p, 0.0)
+                dense_t[p].append(dt)
+                cached_t[p].append(ct)
+                if hit:
+                    hit_dense[p].append(dt)
+                    hit_cached[p].append(ct)
+            if hit:
+                hits += 1
+                devs.append(float((c.actions - d.actions).norm() / d.actions.norm().clamp_min(1e-12)))
+            else:
+                reasons[manager.retriever.reason or "no prepared entry"] = reasons.get(
+                    manager.retriever.reason or "no prepared entry", 0) + 1
+            rep = manager.prepare(spec.time_available_s)
+            prep_s.append(rep.seconds)
+            log(f"  call {i + 1}: dense {d.times.total * 1e3:.0f} ms, cached {c.times.total * 1e3:.0f} ms"
+                + (f", reference {c.reference.key}" if hit else ", dense (no reference)")
+                + f"; window +{rep.added}/-{rep.dropped} in {rep.seconds:.2f} s")
+
+    def med(t: dict[str, list[float]]) -> dict[str, float]:
+        return {p: _median(v) for p, v in t.items()}
+
+    dm, cm, hdm, hcm = med(dense_t), med(cached_t), med(hit_dense), med(hit_cached)
+    speed = {p: dm[p] / cm[p] for p in ("vision", "prefill", "denoise", "total") if cm[p] > 0}
+    hit_speed = {p: hdm[p] / hcm[p] for p in ("vision", "prefill", "denoise", "total") if hcm.get(p, 0) > 0}
+    stats = manager.retriever.stats
+    return {
+        "spec": {**{k: v for k, v in spec.__dict__.items() if k != "extra"}, "rho_n": repo.meta.rho_n},
+        "checkpoint_hash": policy.checkpoint_hash,
+        "calls": calls, "cached_calls": hits, "hit_rate": hits / calls if calls else 0.0,
+        "dense_reasons": reasons,
+        "median_s": {"dense": dm, "cached": cm},
+        "speedup": speed,
+        "median_s_cached_calls_only": {"dense": hdm, "cached": hcm},
+        "speedup_cached_calls_only": hit_speed,
+        "deviation": {"mean_relative_l2": statistics.fmean(devs) if devs else None,
+                      "worst_relative_l2": max(devs) if devs else None},
+        "window": {"initial_prepare_s": initial_s, "median_prepare_between_calls_s": _median(prep_s),
+                   "max_prepare_between_calls_s": max(prep_s) if prep_s else None},
+        "retrieval": {"queries": stats.queries, "hits": stats.hits, "fallbacks": stats.fallbacks,
+                      "stalls": stats.stalls},
+        "memory": manager.memory_report() | {"action_cache_buffers_bytes": cached.buffers.nbytes()},
+        "machine": {"torch": torch.__version__, "threads": torch.get_num_threads(),
+                    "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
+        **spec.extra,
+    }
+
+
+def write_json(result: dict, out: str | None) -> None:
+    text = json.dumps(result, indent=2, default=str)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text)
+    print(text)
