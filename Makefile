@@ -16,11 +16,23 @@ $(STAMP): requirements.txt requirements-dev.txt setup.py
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
-# Main job (until the closed-loop demo lands): the engine benchmark on the bundled small preset.
-demo: setup
-	$(VENV)/bin/vla-runtime bench --preset pi05-small --cameras 3 --repeats 5 --out out/bench.json
+CLI    := $(VENV)/bin/vla-runtime
+CAMS   := --camera top=/cameras/top/image_raw --camera wrist=/cameras/wrist/image_raw
 
-bench: demo
+# Main job (until the closed-loop demo lands), on the bundled pi05-small preset:
+# the dense engine benchmark, then the muscle-memory cache end to end (demo robot data,
+# build-cache with the rho profile, dense vs cached on held-out episodes). About 2 minutes on 2 cores.
+demo: setup
+	rm -rf out/demo
+	$(CLI) bench --preset pi05-small --cameras 3 --repeats 5 --out out/bench.json
+	$(CLI) demo-data --out out/demo
+	$(CLI) build-cache --checkpoint out/demo/checkpoint --bags out/demo/episodes/references --out out/demo/repo \
+		$(CAMS) --profile 1 --summary out/demo/build.json
+	$(CLI) bench --cache out/demo/repo --checkpoint out/demo/checkpoint --bags out/demo/episodes/held_out \
+		$(CAMS) --rho-p 0.4 --out out/cache_bench.json
+
+bench: setup
+	$(CLI) bench --preset pi05-small --cameras 3 --repeats 5 --out out/bench.json
 
 test: setup
 	$(PY) -m pytest test -q

@@ -166,3 +166,23 @@ def test_cli_build_cache_and_cache_bench(demo, tmp_path, capsys):
     # an existing repository is never overwritten
     assert main(["build-cache", "--checkpoint", demo["checkpoint"], "--bags", demo["references"], "--out", str(out),
                  *cams]) == 2
+
+
+def test_stall_is_reported_and_resets_the_episode(repo, demo, policy, caplog):
+    manager = CacheManager(policy.engine.model, repo)
+    manager.start_episode(demo["task"])
+    episode = read_episode(list_episode_bags(demo["held_out"])[0], demo_topics(CAMS), call_period=0.5)
+    frame = episode.frames[0]
+    inputs = policy.prepare(Observation(frame.images, frame.state, episode.task))
+    feats = policy.engine.model.embed_images(inputs.images, policy.engine.cfg.retrieval_layer)[1]
+    max_calls = manager.retriever.max_calls
+    with caplog.at_level(logging.WARNING):
+        results = []
+        for _ in range(max_calls + 1):   # the robot stands still: the same observation every call
+            manager.observe_state(torch.as_tensor(frame.state))
+            results.append(manager.select(feats))
+    assert all(r is not None for r in results[:max_calls]) and results[-1] is None
+    assert len(manager.stalls) == 1 and "stall" in caplog.text
+    assert not manager.retriever.stalled and len(manager.entries) > 0   # reset: ready to serve again
+    manager.observe_state(torch.as_tensor(frame.state))
+    assert manager.select(feats) is not None

@@ -68,7 +68,8 @@ class CacheManager:
         self.state_dim = state_dim
         capacity = cfg.window.capacity + max((len(repository.episodes(t)) for t in repository.tasks()), default=0)
         self.matrix = CandidateMatrix(capacity, feat_dim, hist_len, state_dim)
-        self.retriever = Retriever(cfg.retrieval, self)
+        self.retriever = Retriever(cfg.retrieval, self, on_stall=self._on_stall)
+        self.stalls: list[Match] = []
         self.window = SlidingWindow(cfg.window)
         self.entries: dict[EntryKey, PreparedEntry] = {}
         self.task: str | None = None
@@ -162,6 +163,16 @@ class CacheManager:
         return self._apply(self.window.plan(matches, budget), budget)
 
     # ------------------------------------------------------------ internals
+    def _on_stall(self, match: Match) -> None:
+        """The same reference keeps coming back: the robot is not progressing. Report it and
+        start the episode's retrieval afresh (the call itself runs dense)."""
+        self.stalls.append(match)
+        log.warning("stall detected for task %r: %s; the episode's cache state is reset", self.task,
+                    self.retriever.reason)
+        task = self.task
+        if task is not None:
+            self.start_episode(task)
+
     def _aligned_positions(self, m: Match) -> dict[str, int]:
         """Current position in every candidate episode: the match itself, and the same progress
         (fraction of the episode) in the others, which is where retrieval tends to go next."""
