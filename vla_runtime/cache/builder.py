@@ -135,6 +135,8 @@ class ProfilePoint:
     worst_deviation: float
     flops_fraction: float        # estimated useful FLOPs of a cached call / dense call
     median_speedup: float        # measured dense / cached total per call (this machine)
+    median_prefill_speedup: float
+    median_denoise_speedup: float
 
 
 def _relative_l2(a: Tensor, b: Tensor) -> float:
@@ -157,10 +159,14 @@ def profile_ratios(model: Pi05Model, references: dict[str, list[RecordedCall]], 
         hists = torch.stack([references[e][i].call.state_history for e, i in keys])
         packs[task] = CandidateMatrix.from_tensors(keys, feats, hists)
     retriever = Retriever(retrieval, TaskPacks(packs))
+    engines = {p: CachedEngine(model, CacheConfig(rho_p=p[0], rho_n=p[1], groups=groups)) for p in grid}
     dense = DenseEngine(model, tap_retrieval_features=True)
     entries: dict[tuple[str, int], PreparedEntry] = {}
     devs: dict[tuple[float, float], list[float]] = {p: [] for p in grid}
     speed: dict[tuple[float, float], list[float]] = {p: [] for p in grid}
+    phase_speed: dict[tuple[float, float], dict[str, list[float]]] = {p: {"prefill": [], "denoise": []} for p in grid}
+    flops: dict[tuple[float, float], list[float]] = {p: [] for p in grid}
+    cfg = model.cfg
     calls = 0
     for eid, recs in held_out.items():
         task = task_of[eid]
@@ -181,23 +187,28 @@ def profile_ratios(model: Pi05Model, references: dict[str, list[RecordedCall]], 
             for rho_p, rho_n in grid:
                 entry = PreparedEntry(base.key, base.ffn_in, base.ffn_out, base.image_mask,
                                       group_masks(ref.scores, groups, rho_n))
-                eng = CachedEngine(model, CacheConfig(rho_p=rho_p, rho_n=rho_n, groups=groups))
-                out = eng.infer(rec.inputs, noise=rec.noise, select=lambda f, x, e=entry: e)
+                out = engines[(rho_p, rho_n)].infer(rec.inputs, noise=rec.noise, select=lambda f, x, e=entry: e)
                 devs[(rho_p, rho_n)].append(_relative_l2(out.actions, d.actions))
                 speed[(rho_p, rho_n)].append(d.times.total / out.times.total)
+                for ph in ("prefill", "denoise"):
+                    phase_speed[(rho_p, rho_n)][ph].append(d.times.seconds[ph] / out.times.seconds[ph])
+                cams = int(rec.inputs.image_mask.sum())
+                visual = cams * cfg.num_image_tokens
+                prefix = visual + int(rec.inputs.token_mask.sum())
+                flops[(rho_p, rho_n)].append(cached_flops(cfg, prefix, visual, rho_p, rho_n, len(groups))
+                                             / dense_flops(cfg, prefix, cams))
             log(f"  profiled {eid} call {i + 1}/{len(recs)} (reference {match.episode_id}[{match.index}], "
                 f"similarity {match.similarity:.3f})")
-    cfg = model.cfg
-    prefix = cfg.num_cameras * cfg.num_image_tokens + 64
     points = []
     for p in grid:
         v = devs[p]
         points.append(ProfilePoint(
             rho_p=p[0], rho_n=p[1], calls=calls, hits=len(v),
             mean_deviation=statistics.fmean(v) if v else float("nan"), worst_deviation=max(v) if v else float("nan"),
-            flops_fraction=cached_flops(cfg, prefix, cfg.num_cameras * cfg.num_image_tokens, p[0], p[1], len(groups))
-            / dense_flops(cfg, prefix, cfg.num_cameras),
-            median_speedup=statistics.median(speed[p]) if speed[p] else float("nan")))
+            flops_fraction=statistics.fmean(flops[p]) if flops[p] else float("nan"),
+            median_speedup=statistics.median(speed[p]) if speed[p] else float("nan"),
+            median_prefill_speedup=statistics.median(phase_speed[p]["prefill"]) if v else float("nan"),
+            median_denoise_speedup=statistics.median(phase_speed[p]["denoise"]) if v else float("nan")))
     return points
 
 
@@ -272,10 +283,11 @@ def build_repository(policy: Pi05Policy, checkpoint_hash: str, bags: Sequence[Pa
                 summary.rho_p = best.rho_p
                 if adopt_profiled:
                     summary.rho_n = best.rho_n
-            log("rho_p  rho_n  hits  mean_dev  worst_dev  flops  speedup")
+            log("rho_p  rho_n  hits  mean_dev  worst_dev  flops  speedup (prefill, denoise)")
             for p in points:
                 log(f"{p.rho_p:5.2f}  {p.rho_n:5.2f}  {p.hits:4d}  {p.mean_deviation:8.4f}  {p.worst_deviation:9.4f}  "
-                    f"{p.flops_fraction:5.2f}  {p.median_speedup:7.2f}")
+                    f"{p.flops_fraction:5.2f}  {p.median_speedup:7.2f} ({p.median_prefill_speedup:.2f}, "
+                    f"{p.median_denoise_speedup:.2f})")
     meta = RepositoryMeta(checkpoint_hash=checkpoint_hash, model=model_summary(model.cfg),
                           retrieval_layer=model.cfg.retrieval_layer, rho_n=summary.rho_n,
                           mask_groups=[list(g) for g in cfg.groups], history_len=cfg.history_len)
