@@ -298,7 +298,7 @@ def build_repository(policy: Pi05Policy, checkpoint_hash: str, bags: Sequence[Pa
     summary.seconds = time.perf_counter() - t0
     log(f"repository {out}: {summary.episodes} episodes, {summary.calls} calls, "
         f"{summary.bytes_per_call.get('total', 0) / 1e6:.2f} MB per call, rho_n={summary.rho_n}"
-        + (f", profiled rho_p={summary.rho_p}" if summary.rho_p is not None else ""))
+        + (f", profile suggests rho_p={summary.rho_p}" if summary.rho_p is not None else ""))
     return summary
 
 
