@@ -29,6 +29,24 @@ def _camera_topics(items: list[str]) -> dict[str, str]:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.stream:
+        from .tools.stream_bench import StreamBenchSpec, run_stream_bench, write_json as write_stream
+
+        modes = tuple(m.strip() for m in args.stitch.split(",") if m.strip())
+        spec = StreamBenchSpec(preset=args.preset, checkpoint=args.checkpoint, latency_ms=args.latency_ms,
+                               duration_s=args.duration, control_hz=args.control_hz, n_execute=args.n_execute,
+                               stream_horizon=None if args.stream_horizon == 0 else args.stream_horizon,
+                               modes=modes, threads=args.threads, seed=args.seed)
+        write_stream(run_stream_bench(spec, log=_log), args.out)
+        return 0
+    if args.history:
+        from .tools.bench import write_json as write_history
+        from .tools.history_bench import run_history_bench
+
+        write_history(run_history_bench(args.preset, frames=args.history, calls=args.repeats,
+                                        prompt_tokens=args.prompt_tokens, threads=args.threads, seed=args.seed,
+                                        log=_log), args.out)
+        return 0
     if args.cache:
         from .tools.cache_bench import CacheBenchSpec, run_cache_bench, write_json as write
 
@@ -43,6 +61,15 @@ def _bench(args: argparse.Namespace) -> int:
 
     spec = BenchSpec(**{f.name: getattr(args, f.name) for f in fields(BenchSpec)})
     write_json(run_bench(spec, log=_log), args.out)
+    return 0
+
+
+def _soak(args: argparse.Namespace) -> int:
+    from .tools.bench import write_json
+    from .tools.soak import run_soak
+
+    write_json(run_soak(args.preset, calls=args.calls, history=args.history, seed=args.seed, dtype=args.dtype,
+                        log=_log), args.out)
     return 0
 
 
@@ -126,6 +153,21 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--rho-p", dest="rho_p", type=float, default=0.4, help="fraction of visual tokens recomputed")
     b.add_argument("--time-available", dest="time_available", type=float, default=1.0,
                    help="seconds between calls for window reconstruction (T_avl)")
+    b.add_argument("--stream", action="store_true",
+                   help="sync vs streaming control in simulated time, per stitching mode (stall rate, reaction latency, jerk)")
+    b.add_argument("--latency-ms", dest="latency_ms", type=float, default=None,
+                   help="with --stream: inject this call latency (default: each call's measured wall time)")
+    b.add_argument("--duration", type=float, default=10.0, help="with --stream: simulated seconds per run")
+    b.add_argument("--control-hz", dest="control_hz", type=float, default=50.0, help="with --stream: controller rate")
+    b.add_argument("--n-execute", dest="n_execute", type=int, default=None,
+                   help="with --stream: actions executed per chunk (default: half a chunk)")
+    b.add_argument("--stitch", default="replace,blend,ensemble,freeze",
+                   help="with --stream: comma-separated stitching modes to compare")
+    b.add_argument("--stream-horizon", dest="stream_horizon", type=int, default=1,
+                   help="with --stream: ticks of a chunk before the next one is due (1: continuous re-planning; "
+                        "0: just in time at --n-execute)")
+    b.add_argument("--history", type=int, default=0, metavar="K",
+                   help="incremental vs full-recompute prefill of a K-frame observation history (--preset, --repeats)")
     b.set_defaults(func=_bench)
 
     c = sub.add_parser("build-cache", help="build a reference repository from recorded episodes (rosbag2)")
@@ -149,6 +191,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bound on the repository with --admit (oldest evicted)")
     c.add_argument("--summary", default=None, help="also write the build summary JSON here")
     c.set_defaults(func=_build_cache)
+
+    k = sub.add_parser("soak", help="many consecutive calls in bf16 against fp32: NaN/Inf and drift (JSON)")
+    k.add_argument("--preset", default="pi05-tiny", choices=sorted(PRESETS))
+    k.add_argument("--calls", type=int, default=2000)
+    k.add_argument("--history", type=int, default=4, help="observation history frames (state carried across calls)")
+    k.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    k.add_argument("--seed", type=int, default=0)
+    k.add_argument("--out", default=None)
+    k.set_defaults(func=_soak)
 
     d = sub.add_parser("demo-data", help="write a demo checkpoint (random weights) and synthetic episode bags")
     d.add_argument("--out", required=True)

@@ -44,6 +44,8 @@ class ContextCache:
     def __call__(self, layer: int, mlp: GemmaMLP, x: Tensor) -> Tensor:
         if x.shape[0] != 1:
             raise ValueError("the Context Cache serves one observation at a time (batch 1)")
+        if x.shape[1] < self.entry.visual_tokens:
+            raise ValueError("the Context Cache needs the visual tokens in the prefill (no history window)")
         pv = self.entry.visual_tokens
         xv, xt = x[0, :pv], x[0, pv:]
         k = min(pv, math.ceil(self.rho_p * pv))

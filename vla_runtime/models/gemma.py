@@ -166,8 +166,8 @@ class GemmaLayer(nn.Module):
         self.mlp = GemmaMLP(cfg)
 
     def forward(self, x: Tensor, rope: Rope, bias: Tensor | None, kv_only: bool = False,
-                ffn: PrefillFFN | None = None, index: int = 0) -> Tensor:
-        a = self.attn(self.input_norm(x), rope, 0, bias, kv_only=kv_only)
+                ffn: PrefillFFN | None = None, index: int = 0, start: int = 0) -> Tensor:
+        a = self.attn(self.input_norm(x), rope, start, bias, kv_only=kv_only)
         if kv_only:
             return x
         x = x + a

@@ -26,16 +26,21 @@ from .siglip import SiglipVisionTower
 
 @dataclass
 class Prefix:
-    """A prefix ready for prefill: embeddings without padding, their positions and key mask."""
+    """A prefix ready for prefill: embeddings without padding, their positions and key mask.
 
-    embeds: Tensor              # [B, P, W_vlm]
-    positions: Tensor           # [B, P] int64
-    key_bias: Tensor | None     # [B, 1, 1, P] additive (0 / -inf-ish) or None when all valid
+    ``start`` > 0 means cache rows [0, start) already hold keys/values (an observation history
+    merged by ``engine.history``) and ``embeds`` fill rows [start, start + T).
+    """
+
+    embeds: Tensor              # [B, T, W_vlm]
+    positions: Tensor           # [B, T] int64
+    key_bias: Tensor | None     # [B, 1, 1, start + T] additive (0 / -inf-ish) or None when all valid
     valid_len: Tensor           # [B] number of valid prefix tokens (where suffix positions start)
+    start: int = 0
 
     @property
     def length(self) -> int:
-        return self.embeds.shape[1]
+        return self.start + self.embeds.shape[1]
 
 
 def euler_times(num_steps: int) -> list[float]:
@@ -86,12 +91,16 @@ class Pi05Model(nn.Module):
         emb = sincos_time_embedding(t, self.cfg.expert.width, self.cfg.min_period, self.cfg.max_period).to(w.dtype)
         return torch.nn.functional.silu(self.time_mlp_out(torch.nn.functional.silu(self.time_mlp_in(emb))))
 
-    def setup_caches(self, batch: int, dtype: torch.dtype | None = None) -> None:
-        """Allocate the per-layer KV caches and the denoising workspace, once."""
+    def setup_caches(self, batch: int, dtype: torch.dtype | None = None, max_prefix: int | None = None) -> None:
+        """Allocate the per-layer KV caches and the denoising workspace, once.
+
+        ``max_prefix`` overrides the longest prefix (default: all cameras + the longest prompt),
+        e.g. for an observation history window.
+        """
         cfg = self.cfg
         p = next(self.vlm_layers.parameters())
         dtype = dtype or p.dtype
-        max_len = cfg.max_prefix_len + cfg.chunk_size
+        max_len = (cfg.max_prefix_len if max_prefix is None else max_prefix) + cfg.chunk_size
         self.caches = [KVCache(batch, cfg.vlm.num_kv_heads, max_len, cfg.vlm.head_dim, dtype, p.device)
                        for _ in range(cfg.vlm.depth)]
         for cache, vlm_layer, expert_layer in zip(self.caches, self.vlm_layers, self.expert_layers):
@@ -155,7 +164,7 @@ class Pi05Model(nn.Module):
         x = prefix.embeds
         last = len(self.vlm_layers) - 1
         for i, layer in enumerate(self.vlm_layers):
-            x = layer(x, rope, prefix.key_bias, kv_only=(i == last), ffn=ffn, index=i)
+            x = layer(x, rope, prefix.key_bias, kv_only=(i == last), ffn=ffn, index=i, start=prefix.start)
 
     # ----------------------------------------------------------------- phase 3: denoise
     def denoise(self, prefix: Prefix, noise: Tensor, ffn: DenoiseFFN | None = None) -> Tensor:
@@ -200,7 +209,8 @@ class Pi05Model(nn.Module):
         if batch > self.batch_capacity:
             raise ValueError(f"batch {batch} exceeds the allocated capacity {self.batch_capacity}")
         if prefix_len + self.cfg.chunk_size > self.caches[0].max_len:
-            raise ValueError(f"prefix of {prefix_len} tokens exceeds the cache ({self.cfg.max_prefix_len})")
+            raise ValueError(f"prefix of {prefix_len} tokens exceeds the cache "
+                             f"({self.caches[0].max_len - self.cfg.chunk_size})")
 
     def sample_actions(self, images: Tensor, image_mask: Tensor, tokens: Tensor, token_mask: Tensor,
                        noise: Tensor) -> Tensor:

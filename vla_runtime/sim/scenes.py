@@ -471,3 +471,76 @@ def make_episodes(cfg: SceneConfig, n: int, seed: int, success_rate: float = 1.0
     outcomes = rng.random(n) < success_rate
     station = _Station(cfg)
     return [_render_episode(station, int(s), bool(ok)) for s, ok in zip(episode_seeds, outcomes)]
+
+
+# --------------------------------------------------------------------------------------------
+# Rendering an arbitrary state (closed loop)
+# --------------------------------------------------------------------------------------------
+
+
+class ObservationRenderer:
+    """Camera images for *any* arm state, for closed-loop simulation.
+
+    Recorded episodes draw states from a scripted plan; a controller under test drives the arm
+    wherever its commands take it, so the images must follow the state instead. The scene
+    (station, goal container, object resting at its start pose) is that of episode
+    ``episode_seed`` of :func:`make_episode`; changing the seed moves object and goal, which
+    is how a simulation can change the task target mid-run. The station is built once per
+    renderer, because rebuilding its textures per frame would dominate a control loop.
+    """
+
+    def __init__(self, cfg: SceneConfig, episode_seed: int = 0):
+        if not isinstance(episode_seed, int) or episode_seed < 0:
+            raise ValueError(f"episode_seed must be an int >= 0, got {episode_seed!r}")
+        self.cfg = cfg
+        self._station = _Station(cfg)
+        self._scenes: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, float]] = {}
+        self.episode_seed = episode_seed
+
+    def _scene(self, episode_seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+        """(hi-res static layer, top static layer, object xy, object angle) of one episode."""
+        if episode_seed not in self._scenes:
+            cfg = self.cfg
+            rng = np.random.default_rng(_stable_seed("episode", cfg.seed, cfg.task, episode_seed))
+            plan = _plan_episode(cfg, self._station.layout, rng, True)
+            static_hi = self._station.static_layer(plan.goal_xy, gain=float(1.0 + rng.normal(0, 0.02)))
+            size = cfg.image_size
+            top = cv2.resize(static_hi, (size, size), interpolation=cv2.INTER_AREA)
+            self._scenes[episode_seed] = (static_hi, top, plan.object_xy[0].copy(), float(plan.object_angle[0]))
+        return self._scenes[episode_seed]
+
+    def render(self, state: np.ndarray, episode_seed: int | None = None, noise_seed: int = 0) -> dict[str, np.ndarray]:
+        """``{camera: HxWx3 uint8}`` showing the arm at ``state`` (object not held)."""
+        cfg = self.cfg
+        seed = self.episode_seed if episode_seed is None else episode_seed
+        if not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"episode_seed must be an int >= 0, got {seed!r}")
+        state = np.asarray(state, dtype=np.float32)
+        if state.shape != (cfg.state_dim,):
+            raise ValueError(f"state must have shape ({cfg.state_dim},), got {state.shape}")
+        if not np.isfinite(state).all():
+            raise ValueError("state contains NaN or Inf")
+        static_hi, top_static, obj_xy, obj_angle = self._scene(seed)
+        rng = np.random.default_rng(_stable_seed("frame", cfg.seed, cfg.task, seed, noise_seed))
+        size = cfg.image_size
+        hi = float(self._station.hi_size)
+        images: dict[str, np.ndarray] = {}
+        for cam in cfg.cameras:
+            arm_index = _camera_arm(cam)
+            if arm_index is None:
+                img, m = top_static.copy(), np.array([[size, 0.0, 0.0], [0.0, size, 0.0]])
+            else:
+                q = state[arm_index * JOINTS_PER_ARM: arm_index * JOINTS_PER_ARM + N_JOINTS].astype(np.float64)
+                m = _wrist_affine(self._station.arms[arm_index], q, size)
+                m_hi = np.hstack([m[:, :2] / hi, m[:, 2:]])
+                img = cv2.warpAffine(static_hi, m_hi, (size, size), flags=cv2.INTER_LINEAR,
+                                     borderMode=cv2.BORDER_REFLECT_101)
+            _draw_dynamic(img, m, self._station.arms, state, self._station.layout, obj_xy, obj_angle, False)
+            images[cam] = _add_noise(img, rng, cfg.noise)
+        return images
+
+
+def render_observation(cfg: SceneConfig, episode_seed: int, state: np.ndarray, noise_seed: int = 0) -> dict[str, np.ndarray]:
+    """One-off :meth:`ObservationRenderer.render` (builds the station each time; keep an
+    :class:`ObservationRenderer` for repeated frames)."""
+    return ObservationRenderer(cfg, episode_seed).render(state, noise_seed=noise_seed)
