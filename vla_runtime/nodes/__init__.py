@@ -1,0 +1,1 @@
+"""The runtime's node workers (plain Python) and their rclpy wrappers."""

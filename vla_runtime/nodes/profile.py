@@ -1,0 +1,202 @@
+"""Robot profiles: everything robot-specific the nodes need, from one YAML file, validated at load.
+
+A profile names the camera topics (in the model's camera order), the joint-state and instruction
+topics, the controller the chunks go to, joint names and limits, the control rate, and the engine,
+streaming and cache settings. Every key is checked when the file is read, with a message naming
+the key, so a typo fails at start-up instead of on the robot.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..engine.stitching import StitchConfig
+
+OUTPUT_KINDS = ("joint_trajectory", "interbotix_joint_group")
+PREDICTORS = ("absolute", "delta", "observed")
+
+
+class ProfileError(ValueError):
+    """The profile file is not usable; the message names the key and the problem."""
+
+
+@dataclass(frozen=True)
+class CameraSpec:
+    name: str
+    topic: str
+    compressed: bool = False
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """Where action chunks go: a ros2_control joint_trajectory_controller (or MoveIt), or
+    Interbotix joint-group commands (ALOHA), one per arm."""
+
+    kind: str = "joint_trajectory"
+    topics: tuple[str, ...] = ("/joint_trajectory_controller/joint_trajectory",)
+    groups: tuple[str, ...] = ()          # interbotix: group name per topic (e.g. "arm")
+    joint_slices: tuple[tuple[int, int], ...] = ()   # which joints each topic gets (default: all to the first)
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    checkpoint: str | None = None
+    preset: str = "pi05-small"
+    dtype: str = "float32"
+    device: str = "cpu"
+    threads: int | None = None
+
+
+@dataclass(frozen=True)
+class StreamingSpec:
+    stitch: StitchConfig = field(default_factory=StitchConfig)
+    predictor: str = "absolute"
+    max_obs_age_s: float = 0.2
+    watchdog_s: float = 1.0
+    on_stale: str = "hold"
+    stream_horizon: int = 1
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    enabled: bool = False
+    repository: str | None = None
+    rho_p: float = 0.4
+    episodes: int = 4        # T
+    lookahead: int = 4       # L
+    memory_budget_mb: int = 4096
+
+
+@dataclass(frozen=True)
+class RobotProfile:
+    name: str
+    cameras: tuple[CameraSpec, ...]
+    joint_names: tuple[str, ...]
+    joint_lower: tuple[float, ...]
+    joint_upper: tuple[float, ...]
+    control_hz: float
+    joint_states_topics: tuple[str, ...] = ("/joint_states",)
+    instruction_topic: str = "/instruction"
+    max_velocity: tuple[float, ...] | None = None
+    arm_slices: tuple[tuple[int, int], ...] = ()
+    output: OutputSpec = field(default_factory=OutputSpec)
+    engine: EngineSpec = field(default_factory=EngineSpec)
+    streaming: StreamingSpec = field(default_factory=StreamingSpec)
+    cache: CacheSpec = field(default_factory=CacheSpec)
+
+    @property
+    def state_dim(self) -> int:
+        return len(self.joint_names)
+
+    def validate(self) -> "RobotProfile":
+        def bad(key: str, msg: str) -> ProfileError:
+            return ProfileError(f"profile {self.name!r}: {key}: {msg}")
+
+        if not self.cameras:
+            raise bad("cameras", "at least one camera is needed")
+        names = [c.name for c in self.cameras]
+        if len(set(names)) != len(names):
+            raise bad("cameras", f"camera names must be unique, got {names}")
+        for c in self.cameras:
+            if not c.topic.startswith("/"):
+                raise bad(f"cameras.{c.name}.topic", f"must be an absolute topic, got {c.topic!r}")
+        n = len(self.joint_names)
+        if n == 0 or len(set(self.joint_names)) != n:
+            raise bad("joint_names", "must be a non-empty list of unique names")
+        for key in ("joint_lower", "joint_upper"):
+            v = getattr(self, key)
+            if len(v) != n or not all(math.isfinite(x) for x in v):
+                raise bad(key, f"needs {n} finite values (one per joint), got {list(v)}")
+        if any(lo >= hi for lo, hi in zip(self.joint_lower, self.joint_upper)):
+            raise bad("joint_lower/joint_upper", "each lower limit must be below its upper limit")
+        if self.max_velocity is not None and (len(self.max_velocity) != n or any(v <= 0 for v in self.max_velocity)):
+            raise bad("max_velocity", f"needs {n} positive values")
+        if not (math.isfinite(self.control_hz) and 1 <= self.control_hz <= 2000):
+            raise bad("control_hz", f"must be in [1, 2000] Hz, got {self.control_hz}")
+        for a, b in self.arm_slices:
+            if not 0 <= a < b <= n:
+                raise bad("arm_slices", f"slice [{a}, {b}) outside the {n} joints")
+        o = self.output
+        if o.kind not in OUTPUT_KINDS:
+            raise bad("output.kind", f"must be one of {OUTPUT_KINDS}, got {o.kind!r}")
+        if not o.topics or any(not t.startswith("/") for t in o.topics):
+            raise bad("output.topics", "needs absolute topic names")
+        if o.joint_slices and len(o.joint_slices) != len(o.topics):
+            raise bad("output.joint_slices", "one slice per output topic")
+        if o.kind == "interbotix_joint_group" and len(o.groups) != len(o.topics):
+            raise bad("output.groups", "interbotix output needs one group name per topic")
+        s = self.streaming
+        if s.predictor not in PREDICTORS:
+            raise bad("streaming.predictor", f"must be one of {PREDICTORS}, got {s.predictor!r}")
+        if s.on_stale not in ("hold", "finish_chunk"):
+            raise bad("streaming.on_stale", f"must be 'hold' or 'finish_chunk', got {s.on_stale!r}")
+        if not (s.max_obs_age_s > 0 and s.watchdog_s > 0 and s.stream_horizon >= 1):
+            raise bad("streaming", "max_obs_age_s and watchdog_s must be > 0, stream_horizon >= 1")
+        c = self.cache
+        if c.enabled and not c.repository:
+            raise bad("cache.repository", "required when the cache is enabled")
+        if not 0 < c.rho_p <= 1 or c.episodes < 1 or c.lookahead < 0 or c.memory_budget_mb < 1:
+            raise bad("cache", "rho_p in (0, 1], episodes >= 1, lookahead >= 0, memory_budget_mb >= 1")
+        if self.engine.dtype not in ("float32", "bfloat16", "float16"):
+            raise bad("engine.dtype", f"must be float32, bfloat16 or float16, got {self.engine.dtype!r}")
+        return self
+
+
+def _build(cls, data: Any, where: str):
+    """Dataclass ``cls`` from a mapping, refusing unknown keys (typos) with their path."""
+    if data is None:
+        return cls()
+    if not isinstance(data, dict):
+        raise ProfileError(f"{where}: expected a mapping, got {type(data).__name__}")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ProfileError(f"{where}: unknown key(s) {unknown}; known: {sorted(known)}")
+    try:
+        return cls(**data)
+    except (TypeError, ValueError) as e:
+        raise ProfileError(f"{where}: {e}") from None
+
+
+def profile_from_dict(data: dict, where: str = "profile") -> RobotProfile:
+    if not isinstance(data, dict):
+        raise ProfileError(f"{where}: expected a mapping at the top level")
+    d = dict(data)
+    try:
+        cams = tuple(_build(CameraSpec, {"name": k, **(v if isinstance(v, dict) else {"topic": v})}, f"{where}.cameras.{k}")
+                     for k, v in (d.pop("cameras", None) or {}).items())
+        out = d.pop("output", None) or {}
+        out = _build(OutputSpec, {**out, **{k: tuple(tuple(x) if isinstance(x, list) else x for x in out[k])
+                                            for k in ("topics", "groups", "joint_slices") if k in out}}, f"{where}.output")
+        stream = dict(d.pop("streaming", None) or {})
+        stitch = _build(StitchConfig, stream.pop("stitch", None), f"{where}.streaming.stitch")
+        streaming = _build(StreamingSpec, {**stream, "stitch": stitch}, f"{where}.streaming")
+        engine = _build(EngineSpec, d.pop("engine", None), f"{where}.engine")
+        cache = _build(CacheSpec, d.pop("cache", None), f"{where}.cache")
+        for key in ("joint_names", "joint_lower", "joint_upper", "max_velocity", "joint_states_topics"):
+            if d.get(key) is not None:
+                d[key] = tuple(d[key])
+        if "arm_slices" in d:
+            d["arm_slices"] = tuple(tuple(s) for s in d["arm_slices"])
+        prof = _build(RobotProfile, {**d, "cameras": cams, "output": out, "streaming": streaming,
+                                     "engine": engine, "cache": cache}, where)
+    except ProfileError:
+        raise
+    return prof.validate()
+
+
+def load_profile(path: str | Path) -> RobotProfile:
+    """Read and validate a robot profile YAML (``config/<robot>.yaml``)."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ProfileError(f"{path}: no such profile file") from None
+    except yaml.YAMLError as e:
+        raise ProfileError(f"{path}: not valid YAML ({e})") from None
+    return profile_from_dict(data, where=str(path))
