@@ -359,6 +359,13 @@ def _image_message(typestore: Any, rgb: np.ndarray, header: Any, image_format: s
 # --------------------------------------------------------------------------------------------
 
 
+def _uint8_buffer(data: Any) -> np.ndarray:
+    """Message byte arrays arrive as numpy arrays (rosbags), ``array('B')`` or bytes (rclpy)."""
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return np.frombuffer(data, dtype=np.uint8)
+    return np.asarray(data, dtype=np.uint8)
+
+
 def decode_image_message(msg: Any, msgtype: str) -> np.ndarray:
     """Decode an ``Image`` (rgb8/bgr8/rgba8/bgra8/mono8) or ``CompressedImage`` (anything OpenCV
     decodes: JPEG, PNG, ...) message to uint8 RGB ``[H, W, 3]``.
@@ -367,7 +374,7 @@ def decode_image_message(msg: Any, msgtype: str) -> np.ndarray:
     since the policy's vision tower expects RGB.
     """
     if msgtype == COMPRESSED_IMAGE_TYPE:
-        buf = np.asarray(msg.data, dtype=np.uint8)
+        buf = _uint8_buffer(msg.data)
         if buf.size == 0:
             raise ValueError(f"CompressedImage (format {msg.format!r}) has no data")
         bgr = cv2.imdecode(buf, cv2.IMREAD_COLOR)
@@ -383,7 +390,7 @@ def decode_image_message(msg: Any, msgtype: str) -> np.ndarray:
                          f"{sorted(_READABLE_RAW_ENCODINGS)}")
     channels = _READABLE_RAW_ENCODINGS[enc]
     h, w, step = int(msg.height), int(msg.width), int(msg.step)
-    data = np.asarray(msg.data, dtype=np.uint8)
+    data = _uint8_buffer(msg.data)
     if h <= 0 or w <= 0:
         raise ValueError(f"Image has invalid size {w}x{h}")
     if step < w * channels or data.size < step * h:
