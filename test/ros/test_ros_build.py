@@ -1,0 +1,82 @@
+"""The ROS 2 side, built for real by `make ros` (colcon, rosidl) and exercised with real rclpy.
+
+Every process that creates a ROS 2 node runs in a private network namespace whose only
+interface is loopback (vla_runtime.testing.netns), so DDS discovery never leaves the machine.
+Needs install/ from `make ros` (make test builds it first) and root for `unshare -n`.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vla_runtime.testing.netns import ros_env, run_in_private_netns
+
+ROOT = Path(__file__).resolve().parents[2]
+INSTALL = ROOT / "install"
+PEERS = Path(__file__).with_name("ros_peers.py")
+
+
+@pytest.fixture
+def env() -> dict[str, str]:
+    """rclpy + our messages from install/, fresh ROS_DOMAIN_ID for each test."""
+    if not (INSTALL / "setup.bash").is_file():
+        pytest.fail(f"{INSTALL}/setup.bash missing: build the ROS 2 side first with `make ros`")
+    return ros_env(INSTALL)
+
+
+def test_install_space_exposes_messages(env: dict[str, str], tmp_path: Path) -> None:
+    # cwd outside the repo: the source tree's vla_runtime/ (no msg/) must not shadow install/.
+    probe = (
+        "import json, vla_runtime, vla_runtime.msg as m\n"
+        "print(json.dumps({'file': vla_runtime.__file__, 'types': {n: getattr(m, n).get_fields_and_field_types()\n"
+        "    for n in ('SlotReady', 'PhaseLatency', 'ActionChunk')}}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert Path(got["file"]).is_relative_to(INSTALL), got["file"]
+    assert got["types"]["ActionChunk"] == {
+        "header": "std_msgs/Header", "call_id": "uint64", "joint_names": "sequence<string>",
+        "control_period": "double", "chunk_length": "uint32", "action_dim": "uint32",
+        "actions": "sequence<double>", "source": "string", "observation_seq": "uint64",
+    }
+    assert got["types"]["SlotReady"]["sequence"] == "uint64"
+    assert got["types"]["PhaseLatency"]["total"] == "double"
+
+
+def test_private_netns_has_only_loopback(env: dict[str, str]) -> None:
+    check = "from vla_runtime.testing.netns import assert_only_loopback; assert_only_loopback(); print('ok')"
+    out = run_in_private_netns([sys.executable, "-c", check], env=env, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_two_processes_exchange_action_chunk_and_joint_state(env: dict[str, str], tmp_path: Path) -> None:
+    joints = [f"left_joint_{i}" for i in range(3)]
+    chunk_length, action_dim = 4, len(joints)
+    spec = {
+        "chunk": {
+            "stamp": {"sec": 1_700_000_000, "nanosec": 123_456_789}, "frame_id": "",
+            "call_id": 2**40 + 7, "joint_names": joints, "control_period": 0.02,
+            "chunk_length": chunk_length, "action_dim": action_dim,
+            # Values that a float32 or a text round trip would not keep exactly.
+            "actions": [i / 3 - 1e-300 * (i % 2) for i in range(chunk_length * action_dim)],
+            "source": "cached", "observation_seq": 2**63 + 5,
+        },
+        "joints": {
+            "stamp": {"sec": 1_700_000_000, "nanosec": 100_000_000}, "name": joints,
+            "position": [0.1, -0.2, 1 / 7], "velocity": [0.0, 1.5, -2.25], "effort": [],
+        },
+    }
+    try:
+        out = run_in_private_netns([sys.executable, str(PEERS), "exchange", json.dumps(spec)],
+                                   env=env, timeout=90, cwd=tmp_path)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"exchange timed out; stderr:\n{exc.stderr}")
+    assert out.returncode == 0, f"exchange failed ({out.returncode}):\n{out.stderr}"
+    assert json.loads(out.stdout) == spec
