@@ -23,7 +23,7 @@ $(STAMP): requirements.txt requirements-dev.txt setup.py
 # when only Python files changed) reruns when a file it installs changes.
 ROS_STAMP  := $(VENV)/.ros-installed
 ROS_BUILT  := install/.vla_runtime-built
-ROS_INPUTS := CMakeLists.txt package.xml tools/ros/build.sh $(wildcard msg/*.msg) \
+ROS_INPUTS := CMakeLists.txt package.xml tools/ros/build.sh $(wildcard msg/*.msg) $(wildcard scripts/*) \
               $(shell find vla_runtime launch config -type f -not -name '*.pyc' 2>/dev/null)
 
 ros: $(ROS_BUILT)

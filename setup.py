@@ -23,5 +23,7 @@ setup(
         ("share/vla_runtime", ["package.xml"]),
         ("share/vla_runtime/config", [str(p) for p in sorted((ROOT / "config").glob("*.yaml"))]),
     ],
-    entry_points={"console_scripts": ["vla-runtime = vla_runtime.cli:main"]},
+    entry_points={"console_scripts": ["vla-runtime = vla_runtime.cli:main",
+                                      "vla-vision-node = vla_runtime.nodes.vision_node:main",
+                                      "vla-policy-node = vla_runtime.nodes.policy_node:main"]},
 )

@@ -213,6 +213,23 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("checkpoint")
     i.add_argument("--hash", action="store_true", help="also compute the content hash (reads every byte)")
     i.set_defaults(func=_inspect)
+
+    from .ipc.bench import bench_ipc_main
+
+    r = sub.add_parser("bench-ipc", help="ring-buffer hand-offs between processes for one prefix slot: "
+                                         "torn reads, latency (JSON)")
+    r.add_argument("--preset", default="pi05-small", choices=sorted(PRESETS), help="model whose prefix slot is sent")
+    r.add_argument("--prefix-len", dest="prefix_len", type=int, default=None,
+                   help="prefix tokens per slot (default: the preset's maximum)")
+    r.add_argument("--handoffs", type=int, default=100_000, help="stress phase: accepted hand-offs over all readers")
+    r.add_argument("--readers", type=int, default=2, help="stress phase: reader processes")
+    r.add_argument("--slots", type=int, default=3, help="stress phase: ring slots (fewer = more contention)")
+    r.add_argument("--latency-handoffs", dest="latency_handoffs", type=int, default=5_000,
+                   help="latency phase: hand-offs with a paced writer and one reader")
+    r.add_argument("--period-ms", dest="period_ms", type=float, default=2.0, help="latency phase: writer period")
+    r.add_argument("--threads", type=int, default=1, help="torch intra-op threads per process")
+    r.add_argument("--out", default=None, help="also write the JSON here")
+    r.set_defaults(func=bench_ipc_main)
     return p
 
 

@@ -1,0 +1,298 @@
+"""Ring buffer: round trip, refusals, overwrite/torn detection, stale writers, multi-process stress.
+
+Every test uses a unique segment name and checks that nothing is left in /dev/shm afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from multiprocessing.shared_memory import SharedMemory
+
+import pytest
+import torch
+
+from vla_runtime.ipc import control as C
+from vla_runtime.ipc.layout import FieldSpec, SlotLayout
+from vla_runtime.ipc.ring import (LayoutMismatchError, RingBuffer, RingBufferError, RingExistsError,
+                                  RingNotFoundError)
+from vla_runtime.ipc.stress import StressSpec, payload_matches, run_stress, small_layout, stamp_payload
+
+LAYOUT = SlotLayout((FieldSpec("kv", (2, 8, 4), torch.float32), FieldSpec("state", (7,), torch.float64),
+                     FieldSpec("ref", (1,), torch.int64), FieldSpec("mask", (8,), torch.uint8)))
+
+
+def _segment_exists(name: str) -> bool:
+    try:
+        SharedMemory(name=name, create=False).close()
+    except FileNotFoundError:
+        return False
+    # opened only to look: balance the resource-tracker registration SharedMemory made
+    from multiprocessing import resource_tracker
+    resource_tracker.unregister("/" + name, "shared_memory")
+    return True
+
+
+@pytest.fixture
+def name():
+    n = f"vla_test_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+    yield n
+    assert not _segment_exists(n), f"test leaked shared memory segment {n}"
+
+
+def _out(layout: SlotLayout = LAYOUT) -> dict[str, torch.Tensor]:
+    return {f.name: torch.full(f.shape, 99, dtype=f.dtype) for f in layout.fields}
+
+
+def _write(ring: RingBuffer, value: int, meta=None) -> tuple[int, int]:
+    with ring.begin_write() as w:
+        stamp_payload(w.tensors, value)
+        return w.commit(meta, stamp_ns=1000 + value)
+
+
+def test_round_trip_zero_copy_views_and_metadata(name):
+    with RingBuffer.create(name, LAYOUT, slots=3) as writer, RingBuffer.attach(name, LAYOUT) as reader:
+        out = _out()
+        assert reader.read_latest(out) is None and reader.latest_seq == -1
+        w = writer.begin_write()
+        assert (w.slot, w.seq) == (0, 0)
+        assert w["kv"].shape == (2, 8, 4) and w["state"].dtype == torch.float64
+        w["kv"].copy_(torch.arange(64, dtype=torch.float32).view(2, 8, 4))
+        w["state"].fill_(0.5)
+        w["ref"].fill_(7)
+        w["mask"].fill_(1)
+        assert w.commit({"camera_stamp": 12, "reference": "ep3"}, stamp_ns=123) == (0, 0)
+        info = reader.read_latest(out)
+        assert (info.slot, info.seq, info.stamp_ns) == (0, 0, 123)
+        assert info.meta == {"camera_stamp": 12, "reference": "ep3"}
+        assert torch.equal(out["kv"], torch.arange(64, dtype=torch.float32).view(2, 8, 4))
+        assert out["state"].eq(0.5).all() and out["ref"].item() == 7 and out["mask"].eq(1).all()
+        # the writer's tensors are views of the segment: a second attach sees the bytes without a commit
+        assert writer.begin_write()["kv"].data_ptr() != out["kv"].data_ptr()
+        writer._pending.abort()
+        _write(writer, 5, meta=b"\x00raw")
+        assert reader.read_latest(out).meta == b"\x00raw"
+        _write(writer, 6)
+        assert reader.read_latest(out).meta is None
+        # a reader may ask for a subset of the fields
+        part = {"ref": torch.zeros(1, dtype=torch.int64)}
+        assert reader.read_latest(part).seq == 2 and part["ref"].item() == 6
+
+
+def test_read_latest_returns_the_newest_and_honours_min_seq(name):
+    with RingBuffer.create(name, LAYOUT, slots=4) as writer, RingBuffer.attach(name, LAYOUT) as reader:
+        out = _out()
+        for i in range(10):
+            _write(writer, 100 + i, meta={"i": i})
+        info = reader.read_latest(out)
+        assert (info.seq, info.slot, info.meta) == (9, 9 % 4, {"i": 9})
+        assert payload_matches(out, 109)
+        assert reader.read_latest(out, min_seq=9).seq == 9
+        assert reader.read_latest(out, min_seq=10) is None  # nothing newer yet: no wait, no retry
+        assert reader.stats.torn_retries == 0 and reader.stats.reads == 2
+
+
+def test_announced_slot_overwritten_is_detected(name):
+    with RingBuffer.create(name, LAYOUT, slots=2) as writer, RingBuffer.attach(name, LAYOUT) as reader:
+        out = _out()
+        slot, seq = _write(writer, 10)  # "slot 0 holds sequence 0" goes out over ROS ...
+        assert reader.read(slot, seq, out).seq == 0 and payload_matches(out, 10)
+        _write(writer, 11)
+        assert reader.read(slot, seq, out) is not None  # slot 1 was used, slot 0 still intact
+        _write(writer, 12)  # ... but the writer went round the ring before the reader came
+        assert reader.read(slot, seq, out) is None
+        assert reader.stats.overwritten == 1
+        assert reader.read(0, 2, out).seq == 2 and payload_matches(out, 12)
+        w = writer.begin_write()  # slot 1 being rewritten: its old payload (seq 1) is gone
+        assert reader.read(1, 1, out) is None
+        w.abort()  # an aborted slot holds nothing, even after the writer let go of it
+        assert reader.read(1, 1, out) is None and reader.read(1, 3, out) is None
+        assert reader.stats.overwritten == 4
+        with pytest.raises(ValueError, match=r"slot must be in \[0, 2\)"):
+            reader.read(2, 0, out)
+
+
+def test_copy_raced_by_the_writer_is_thrown_away(name):
+    """Make the writer lap the ring *during* every copy: no copy may be accepted."""
+    with RingBuffer.create(name, LAYOUT, slots=2) as writer, \
+            RingBuffer.attach(name, LAYOUT, read_retries=5) as reader:
+        _write(writer, 1)
+        real = reader._payload.copies_done
+
+        def writer_laps_during_copy():
+            _write(writer, writer.latest_seq + 100)
+            _write(writer, writer.latest_seq + 100)
+            real()
+
+        reader._payload.copies_done = writer_laps_during_copy
+        out = _out()
+        assert reader.read_latest(out) is None
+        assert reader.stats.torn_retries == 5 and reader.stats.torn_giveups == 1 and reader.stats.reads == 0
+        slot, seq = 1, writer.latest_seq
+        assert reader.read(slot, seq, out) is None and reader.stats.overwritten == 1
+        reader._payload.copies_done = real
+        info = reader.read_latest(out)
+        assert info.seq == writer.latest_seq and payload_matches(out, info.stamp_ns - 1000)
+
+
+def test_reader_with_another_layout_is_refused_naming_the_difference(name):
+    other = SlotLayout((FieldSpec("kv", (2, 9, 4), torch.float32), FieldSpec("state", (7,), torch.float64),
+                        FieldSpec("ref", (1,), torch.int64), FieldSpec("mask", (8,), torch.uint8)))
+    with RingBuffer.create(name, LAYOUT, slots=2):
+        with pytest.raises(LayoutMismatchError, match=r"kv\[2, 9, 4\]:float32 vs kv\[2, 8, 4\]:float32"):
+            RingBuffer.attach(name, other)
+        with pytest.raises(LayoutMismatchError, match="version 2 vs 1"):
+            RingBuffer.attach(name, SlotLayout(LAYOUT.fields, version=2))
+
+
+def test_attach_refuses_missing_foreign_and_wrong_version_segments(name):
+    with pytest.raises(RingNotFoundError, match="does not exist"):
+        RingBuffer.attach(name, LAYOUT)
+    foreign = SharedMemory(name=name, create=True, size=4096)
+    try:
+        with pytest.raises(RingNotFoundError, match="bad magic"):
+            RingBuffer.attach(name, LAYOUT)
+        with pytest.raises(RingExistsError, match="not an initialised vla_runtime ring"):
+            RingBuffer.create(name, LAYOUT, 2, replace_stale=True)
+    finally:
+        foreign.close()
+        foreign.unlink()
+    with RingBuffer.create(name, LAYOUT, slots=2) as writer:
+        writer._w[C.W_VERSION] = C.FORMAT_VERSION + 1
+        with pytest.raises(RingBufferError, match=f"format version {C.FORMAT_VERSION + 1}"):
+            RingBuffer.attach(name, LAYOUT)
+
+
+def test_writer_contract_is_enforced(name):
+    with RingBuffer.create(name, LAYOUT, slots=2) as writer, RingBuffer.attach(name, LAYOUT) as reader:
+        with pytest.raises(RingBufferError, match="only its creator writes"):
+            reader.begin_write()
+        w = writer.begin_write()
+        with pytest.raises(RingBufferError, match="still open"):
+            writer.begin_write()
+        with pytest.raises(ValueError, match="holds 256"):
+            w.commit({"x": "y" * 300})
+        with pytest.raises(TypeError, match="dict, bytes or None"):
+            w.commit([1, 2])
+        assert w.commit({"ok": True}) == (0, 0)  # the failed commits left the write open, nothing published
+        with pytest.raises(RingBufferError, match="not open"):
+            w.commit()
+        with pytest.raises(ValueError, match="shape"):
+            reader.read_latest({"kv": torch.zeros(2, 8)})
+        with pytest.raises(KeyError, match="not in the ring's layout"):
+            reader.read_latest({"nope": torch.zeros(1)})
+        with pytest.raises(TypeError, match="attach"):
+            import pickle
+            pickle.dumps(reader)
+    with pytest.raises(ValueError, match="slots"):
+        RingBuffer.create(name, LAYOUT, slots=0)
+    with pytest.raises(TypeError, match="create"):
+        RingBuffer(name=name, layout=LAYOUT, shm=None, owner=True, read_retries=1)
+
+
+def test_close_is_idempotent_and_unlinks(name):
+    writer = RingBuffer.create(name, LAYOUT, slots=2)
+    reader = RingBuffer.attach(name, LAYOUT)
+    _write(writer, 1)
+    writer.close()
+    writer.close()
+    assert not _segment_exists(name)
+    out = _out()
+    assert reader.read_latest(out).seq == 0  # the reader's mapping outlives the name
+    assert not reader.writer_alive(60.0)  # a closed writer reads as gone at once
+    reader.close()
+    reader.close()
+    with pytest.raises(RingBufferError, match="closed"):
+        reader.read_latest(out)
+    ring = RingBuffer.create(name, LAYOUT, slots=2)
+    del ring  # __del__ closes and unlinks
+    assert not _segment_exists(name)
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_stale_segment_is_replaced_only_when_its_writer_is_dead(name):
+    with RingBuffer.create(name, LAYOUT, slots=2) as live:
+        with pytest.raises(RingExistsError, match=f"pid {os.getpid()}, alive"):
+            RingBuffer.create(name, LAYOUT, slots=2)
+        with pytest.raises(RingExistsError, match="live writer"):
+            RingBuffer.create(name, LAYOUT, slots=2, replace_stale=True)
+        _write(live, 1)
+        live._w[C.W_PID] = _dead_pid()  # the writer "crashed": its pid is gone, its segment is not
+        with pytest.raises(RingExistsError, match="dead.*replace_stale=True"):
+            RingBuffer.create(name, LAYOUT, slots=2)
+        with RingBuffer.create(name, LAYOUT, slots=3, replace_stale=True) as fresh, \
+                RingBuffer.attach(name, LAYOUT) as reader:
+            assert reader.slots == 3 and reader.latest_seq == -1
+            _write(fresh, 2)
+            live.close()  # the presumed-dead writer closing late must not unlink the new ring
+            assert _segment_exists(name)
+            assert reader.read_latest(_out()).seq == 0
+
+
+def test_crashed_writer_process_leaves_a_segment_that_replace_stale_removes(name):
+    code = ("import os, torch; from vla_runtime.ipc.ring import RingBuffer; from vla_runtime.ipc.layout import "
+            f"SlotLayout; r = RingBuffer.create({name!r}, SlotLayout.from_json({LAYOUT.to_json()!r}), 2); "
+            "os.kill(os.getpid(), 9)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), *sys.path]))
+    assert subprocess.run([sys.executable, "-c", code], env=env).returncode == -9
+    try:
+        with RingBuffer.attach(name, LAYOUT) as orphan:
+            assert not orphan.writer_alive(3600.0)
+        with pytest.raises(RingExistsError, match="dead"):
+            RingBuffer.create(name, LAYOUT, slots=2)
+    finally:
+        with RingBuffer.create(name, LAYOUT, slots=2, replace_stale=True) as ring:
+            assert ring.writer_pid == os.getpid()
+
+
+def test_heartbeat_and_stale_writer_detection(name):
+    with RingBuffer.create(name, LAYOUT, slots=2) as writer, RingBuffer.attach(name, LAYOUT) as reader:
+        assert reader.writer_alive(60.0) and reader.writer_pid == os.getpid()
+        writer._w[C.W_HEARTBEAT] = time.monotonic_ns() - 30 * 10**9  # writer hung for 30 s
+        assert not reader.writer_alive(10.0) and reader.heartbeat_age_s() >= 30
+        writer.heartbeat()
+        assert reader.writer_alive(10.0)
+        writer._w[C.W_HEARTBEAT] = time.monotonic_ns() - 30 * 10**9
+        _write(writer, 1)  # every commit is a heartbeat too
+        assert reader.writer_alive(10.0)
+        writer._w[C.W_PID] = _dead_pid()
+        assert not reader.writer_alive(10.0)
+        with pytest.raises(RingBufferError, match="creator"):
+            reader.heartbeat()
+        writer._w[C.W_PID] = os.getpid()
+
+
+def test_cuda_backend_imports_and_fails_clearly_without_cupy_or_gpu(name):
+    from vla_runtime.ipc import cuda
+
+    try:
+        cuda.require_cupy()
+    except RuntimeError as e:
+        assert str(e).startswith("CUDA ring buffer needs CuPy and an NVIDIA GPU: ")
+        with pytest.raises(RuntimeError, match="^CUDA ring buffer needs CuPy and an NVIDIA GPU: "):
+            RingBuffer.create(name, LAYOUT, slots=2, backend="cuda")
+    else:
+        pytest.skip("CuPy and a GPU are present: the clear-error path does not apply")
+    with pytest.raises(ValueError, match="backend"):
+        RingBuffer.create(name, LAYOUT, slots=2, backend="tpu")
+
+
+def test_multi_process_stress_accepts_no_torn_read():
+    """One writer and two reader processes (spawn), 2 slots, free-running writer: >= 20k
+    hand-offs, every element of every payload carries its sequence, none torn accepted."""
+    name = f"vla_test_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+    spec = StressSpec(small_layout(1024).to_json(), slots=2, readers=2, handoffs_per_reader=10_000)
+    res = run_stress(spec, timeout_s=300, name=name)
+    assert res["handoffs"] >= 20_000
+    assert res["torn_accepted"] == 0 and res["meta_mismatch"] == 0 and res["checksum_failures"] == 0
+    assert all(r["accepted"] == 10_000 for r in res["per_reader"])
+    assert res["writer_commits"] >= 10_000
+    assert not _segment_exists(name)

@@ -1,0 +1,90 @@
+"""Peers for test_pipeline.py, run inside one private network namespace (not a test module).
+
+    python pipeline_peers.py run SPEC_JSON
+
+starts the real vision and policy node processes and a test robot process, waits (bounded) for
+the robot to receive the first ActionChunk, stops everything and prints the robot's JSON report.
+SPEC_JSON: {"profile": path, "images": {camera: [[...]] uint8 HxWx3 lists}, "state": [...],
+"task": str, "joint_names": [...], "cameras": {camera: topic}, "timeout": s}.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+from vla_runtime.testing.netns import assert_only_loopback
+
+
+def robot(spec: dict) -> int:
+    """Publish images, joint states and the instruction until the first ActionChunk arrives."""
+    import numpy as np
+    import rclpy
+    from sensor_msgs.msg import Image, JointState
+    from std_msgs.msg import String
+
+    from vla_runtime.msg import ActionChunk
+
+    assert_only_loopback()
+    rclpy.init()
+    node = rclpy.create_node("test_robot")
+    got: dict = {}
+    node.create_subscription(ActionChunk, "/vla_runtime/action_chunk",
+                             lambda m: got.setdefault("chunk", {"call_id": m.call_id, "shape": [m.chunk_length, m.action_dim],
+                                                                "actions": list(m.actions)}), 10)
+    pubs = {c: node.create_publisher(Image, t, 10) for c, t in spec["cameras"].items()}
+    joints = node.create_publisher(JointState, "/joint_states", 10)
+    task = node.create_publisher(String, "/instruction", 10)
+    images = {c: np.asarray(v, dtype=np.uint8) for c, v in spec["images"].items()}
+
+    def publish() -> None:
+        for c, img in images.items():
+            m = Image(height=img.shape[0], width=img.shape[1], encoding="rgb8", step=img.shape[1] * 3)
+            m.data = img.tobytes()
+            pubs[c].publish(m)
+        js = JointState(name=spec["joint_names"], position=[float(x) for x in spec["state"]])
+        joints.publish(js)
+        task.publish(String(data=spec["task"]))
+
+    node.create_timer(0.05, publish)
+    deadline = time.monotonic() + spec["timeout"]
+    while "chunk" not in got and time.monotonic() < deadline:
+        rclpy.spin_once(node, timeout_sec=0.1)
+    print(json.dumps(got))
+    node.destroy_node()
+    rclpy.shutdown()
+    return 0 if "chunk" in got else 2
+
+
+def run(spec: dict) -> int:
+    assert_only_loopback()
+    args = ["--ros-args", "-p", f"profile:={spec['profile']}"]
+    nodes = [subprocess.Popen([sys.executable, "-m", f"vla_runtime.nodes.{n}", *args],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for n in ("vision_node", "policy_node")]
+    try:
+        rob = subprocess.run([sys.executable, __file__, "robot", json.dumps(spec)], capture_output=True, text=True,
+                             timeout=spec["timeout"] + 30)
+    finally:
+        errs = []
+        for p in nodes:
+            p.terminate()
+            try:
+                _, err = p.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                _, err = p.communicate()
+            errs.append(err[-3000:])
+    if rob.returncode != 0:
+        print(rob.stdout)
+        print("robot:", rob.stderr[-3000:], "\nnodes:", *errs, file=sys.stderr)
+        return rob.returncode
+    print(rob.stdout.strip().splitlines()[-1])
+    return 0
+
+
+if __name__ == "__main__":
+    spec = json.loads(sys.argv[2])
+    sys.exit({"run": run, "robot": robot}[sys.argv[1]](spec))

@@ -1,0 +1,104 @@
+"""The policy side's per-tick decisions, in one place: execute, call, merge.
+
+A ``StreamingController`` owns the plan (stitcher), the scheduler, the future-state predictor,
+the watchdog and the safety filter. The policy node drives it from its control timer and its
+"chunk ready" callback; it holds no clock and no I/O, so tests drive it tick by tick.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .predictor import make_predictor
+from .safety import JointLimits, SafeCommand, SafetyFilter, Watchdog
+from .scheduler import SchedulerConfig, StreamingScheduler
+from .stitching import ActionPlan, StitchConfig
+
+
+@dataclass(frozen=True)
+class CallRequest:
+    """Ask the vision side for a prefix: condition on ``state``; the chunk starts at ``start_tick``."""
+
+    request_seq: int
+    now: int
+    start_tick: int
+    state: np.ndarray
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    control_hz: float
+    chunk_size: int
+    action_dim: int
+    stitch: StitchConfig = StitchConfig()
+    predictor: str = "absolute"
+    max_obs_age_s: float = 0.2
+    watchdog_s: float = 1.0
+    on_stale: str = "hold"
+    stream_horizon: int = 1
+    initial_latency_s: float = 0.5
+
+
+class StreamingController:
+    def __init__(self, cfg: ControllerConfig, limits: JointLimits):
+        self.cfg = cfg
+        dt = 1.0 / cfg.control_hz
+        self.plan = ActionPlan(cfg.action_dim, capacity=4 * cfg.chunk_size + 64)
+        self.stitcher = cfg.stitch.build()
+        self.predictor = make_predictor(cfg.predictor)
+        self.scheduler = StreamingScheduler(SchedulerConfig(
+            control_hz=cfg.control_hz, chunk_size=cfg.chunk_size, max_obs_age_s=cfg.max_obs_age_s,
+            initial_latency_s=cfg.initial_latency_s))
+        self.watchdog = Watchdog(cfg.watchdog_s, dt, cfg.on_stale)
+        self.safety = SafetyFilter(limits, dt)
+        self.in_flight: CallRequest | None = None
+        self.horizon_end = 0
+        self._seq = 0
+
+    def set_initial(self, state: np.ndarray) -> None:
+        self.safety.set_initial(np.asarray(state, dtype=np.float64))
+
+    def tick(self, now: int) -> SafeCommand:
+        """The command for tick ``now`` (held when nothing fresh is planned)."""
+        action = self.plan.pop(now)
+        if not self.watchdog.check(now):
+            action = None
+        return self.safety.filter(action, now)
+
+    def maybe_request(self, now: int, observed_state: np.ndarray, obs_age_s: float) -> CallRequest | None:
+        remaining = max(0, min(self.plan.remaining(now), self.horizon_end - now))
+        if not self.scheduler.should_start(now, remaining, self.in_flight is not None, obs_age_s):
+            return None
+        start = self.scheduler.start_tick(now)
+        state = self.predictor.predict(np.asarray(observed_state, dtype=np.float64), self.plan, now, start)
+        req = CallRequest(self._seq, now, start, np.asarray(state, dtype=np.float64))
+        self._seq += 1
+        self.scheduler.on_started(now, start)
+        self.in_flight = req
+        return req
+
+    def on_chunk(self, request_seq: int, chunk: np.ndarray, now: int, latency_s: float) -> bool:
+        """Merge the chunk of the call in flight; False (and nothing merged) for an unknown call."""
+        req = self.in_flight
+        if req is None or req.request_seq != request_seq:
+            return False
+        self.in_flight = None
+        self.scheduler.on_finished(now, latency_s)
+        self.stitcher.merge(self.plan, np.asarray(chunk, dtype=np.float64), req.start_tick, now, freeze=self.cfg.stitch.freeze_steps or 0)
+        self.horizon_end = req.start_tick + self.cfg.stream_horizon
+        self.watchdog.on_chunk(now)
+        return True
+
+    def abandon(self, now: int) -> None:
+        """The call in flight will never return (vision restarted, slot overwritten): forget it."""
+        if self.in_flight is not None:
+            self.in_flight = None
+            self.scheduler.on_finished(now, self.scheduler.expected_latency_s())
+
+    def upcoming(self, now: int) -> tuple[int, np.ndarray]:
+        """(first tick, actions) planned from ``now`` on, contiguous (what a trajectory message carries)."""
+        n = self.plan.remaining(now)
+        rows = [self.plan.action_at(now + i) for i in range(n)]
+        return now, (np.stack(rows) if rows else np.zeros((0, self.cfg.action_dim)))
