@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from vla_runtime.nodes.launching import NODES, PARAMETERS
 from vla_runtime.nodes.profile import load_profile
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,17 +26,13 @@ def _declared_parameters(source: Path) -> set[str]:
 
 
 def _nodes_and_params(path: Path) -> tuple[list[str], set[str], str]:
+    """What a launch file starts: it must delegate to launching.describe with a profile name."""
     tree = ast.parse(path.read_text())
-    executables, params, profile = [], set(), ""
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "Node":
-            kw = {k.arg: k.value for k in node.keywords}
-            executables.append(ast.literal_eval(kw["executable"]))
-        if isinstance(node, ast.Dict):
-            params |= {ast.literal_eval(k) for k in node.keys if isinstance(k, ast.Constant)}
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "PROFILE" for t in node.targets):
-            profile = ast.literal_eval(node.value)
-    return executables, params, profile
+    profile = next(ast.literal_eval(n.value) for n in ast.walk(tree)
+                   if isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "PROFILE" for t in n.targets))
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "describe"]
+    assert len(calls) == 1, f"{path.name} must return launching.describe(PROFILE)"
+    return [exe for exe, _ in NODES], set(PARAMETERS), profile
 
 
 @pytest.mark.parametrize("path", LAUNCH, ids=lambda p: p.name)

@@ -46,10 +46,14 @@ def test_nodes_publish_the_engines_chunk(tmp_path: Path) -> None:
         pytest.fail(f"pipeline timed out; stderr:\n{exc.stderr}")
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout.strip().splitlines()[-1])["chunk"]
-    assert got["call_id"] == 0
+    # The first chunk's call: call 0, or a later one when an early request went unanswered (sent
+    # before the vision node was up) and was asked again. No chunk was merged before it, so its
+    # prompt state is the observed state; its noise is seeded by its call id.
+    call_id = got["call_id"]
+    assert call_id <= 5
 
     policy = Pi05Policy.from_checkpoint(demo["checkpoint"], camera_names=["top", "wrist"])
     expected = policy.predict(Observation(images=images, state=state, task=task),
-                              generator=torch.Generator().manual_seed(0)).actions
+                              generator=torch.Generator().manual_seed(call_id)).actions
     assert got["shape"] == list(expected.shape)
     np.testing.assert_allclose(np.asarray(got["actions"]).reshape(expected.shape), expected, rtol=1e-4, atol=1e-4)

@@ -14,12 +14,10 @@ import threading
 import time
 
 import numpy as np
-import rclpy
 import torch
 from builtin_interfaces.msg import Duration, Time
 from rcl_interfaces.msg import ParameterDescriptor
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
-from rclpy.executors import MultiThreadedExecutor
 from rclpy.node import Node
 from sensor_msgs.msg import JointState
 from std_msgs.msg import String
@@ -34,6 +32,7 @@ from ..ipc.ring import RingBuffer
 from .conversions import InputError, JointStateAssembler, chunk_to_trajectory
 from .prefix_ring import DEFAULT_RING, READY_TOPIC, REQUEST_TOPIC, prefix_layout
 from .profile import load_profile
+from .spin import run
 from .workers import PolicyWorker, PrefixMeta, PrefixSlotSpec
 
 META_KEYS = ("length", "valid_len", "cameras", "state_dim", "observation_seq", "stamp_ns")
@@ -47,11 +46,16 @@ class PolicyNode(Node):
         p("checkpoint", "", "checkpoint directory; overrides the profile's engine.checkpoint")
         p("ring", DEFAULT_RING, "name of the prefix ring buffer created by the vision node")
         p("seed", 0, "noise seed: call n uses seed * 1000003 + n (reproducible chunks)")
+        p("request_timeout_s", 2.0, "a prefix request unanswered this long is abandoned and asked again "
+                                    "(lost message, vision node restarting)")
         self.profile = prof = load_profile(self.get_parameter("profile").value)
         ckpt = self.get_parameter("checkpoint").value or prof.engine.checkpoint
         if not ckpt:
             raise ValueError("no checkpoint: set the 'checkpoint' parameter or engine.checkpoint in the profile")
         self.seed = int(self.get_parameter("seed").value)
+        self.request_timeout_s = float(self.get_parameter("request_timeout_s").value)
+        if not self.request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
         policy = Pi05Policy.from_checkpoint(ckpt, camera_names=[c.name for c in prof.cameras])
         if policy.action_norm.dim != prof.state_dim:
             raise ValueError(f"checkpoint actions have {policy.action_norm.dim} dims, profile {prof.name!r} "
@@ -108,10 +112,18 @@ class PolicyNode(Node):
             if self.t0_ns is None:
                 self.t0_ns = now_ns
                 self.controller.set_initial(self.joints.vector())
-            self.tick = int(round((now_ns - self.t0_ns) * 1e-9 * self.profile.control_hz))
-            self.controller.tick(self.tick)
-            age = max(0.0, (now_ns - self.joints.oldest_stamp_ns()) * 1e-9)   # stale joint states: no call
-            req = self.controller.maybe_request(self.tick, self.joints.vector(), age)
+            tick = int(round((now_ns - self.t0_ns) * 1e-9 * self.profile.control_hz))
+            if tick <= self.tick:       # timer jitter: this tick was already executed
+                return
+            self.tick = tick
+            try:
+                self._expire_request(tick)
+                self.controller.tick(tick)
+                age = max(0.0, (now_ns - self.joints.oldest_stamp_ns()) * 1e-9)   # stale joint states: no call
+                req = self.controller.maybe_request(tick, self.joints.vector(), age)
+            except (ValueError, RuntimeError) as e:  # never let one bad tick stop the control loop
+                self.get_logger().error(f"tick {tick}: {e}", throttle_duration_sec=1.0)
+                return
         if req is not None:
             self.requested_at[req.request_seq] = time.monotonic()
             msg = PrefixRequest()
@@ -119,6 +131,15 @@ class PolicyNode(Node):
             msg.request_seq, msg.start_tick = req.request_seq, req.start_tick
             msg.state, msg.task = [float(x) for x in req.state], self.task
             self.request_pub.publish(msg)
+
+    def _expire_request(self, tick: int) -> None:
+        req = self.controller.in_flight
+        if req is not None and time.monotonic() - self.requested_at.get(req.request_seq, time.monotonic()) \
+                > self.request_timeout_s:
+            self.get_logger().warning(f"prefix request {req.request_seq} unanswered after {self.request_timeout_s} s: "
+                                      "asking again")
+            self.requested_at.pop(req.request_seq, None)
+            self.controller.abandon(tick)
 
     # ------------------------------------------------------------ chunks
     def _on_slot(self, msg: SlotReady) -> None:
@@ -171,18 +192,7 @@ class PolicyNode(Node):
 
 
 def main(args: list[str] | None = None) -> None:
-    rclpy.init(args=args)
-    node = PolicyNode()
-    executor = MultiThreadedExecutor(num_threads=2)
-    executor.add_node(node)
-    try:
-        executor.spin()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        node.destroy_node()
-        if rclpy.ok():
-            rclpy.shutdown()
+    run(PolicyNode, threads=2, args=args)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 
-import rclpy
 from rclpy.node import Node
 from rclpy.qos import qos_profile_sensor_data
 from rcl_interfaces.msg import ParameterDescriptor
@@ -22,6 +21,7 @@ from ..ipc.ring import RingBuffer
 from .conversions import InputError, image_from_msg
 from .prefix_ring import DEFAULT_RING, READY_TOPIC, REQUEST_TOPIC, prefix_layout
 from .profile import load_profile
+from .spin import run
 from .workers import VisionWorker
 
 
@@ -86,16 +86,7 @@ class VisionNode(Node):
 
 
 def main(args: list[str] | None = None) -> None:
-    rclpy.init(args=args)
-    node = VisionNode()
-    try:
-        rclpy.spin(node)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        node.destroy_node()
-        if rclpy.ok():
-            rclpy.shutdown()
+    run(VisionNode, args=args)
 
 
 if __name__ == "__main__":
