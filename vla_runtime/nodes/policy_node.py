@@ -83,7 +83,19 @@ class PolicyNode(Node):
         self.create_subscription(String, prof.instruction_topic, self._on_instruction, 10)
         self.request_pub = self.create_publisher(PrefixRequest, REQUEST_TOPIC, 10)
         self.chunk_pub = self.create_publisher(ActionChunk, "/vla_runtime/action_chunk", 10)
-        self.traj_pubs = [self.create_publisher(JointTrajectory, t, 10) for t in prof.output.topics]
+        self.group_cmd = None
+        if prof.output.kind == "interbotix_joint_group":
+            try:
+                from interbotix_xs_msgs.msg import JointGroupCommand
+            except ImportError:
+                raise ValueError(f"profile {prof.name!r}: output.kind interbotix_joint_group needs the "
+                                 "interbotix_xs_msgs package (the Interbotix ROS 2 workspace); source it, or set "
+                                 "output.kind: joint_trajectory with a trajectory controller topic") from None
+            self.group_cmd = JointGroupCommand
+            self.group_pubs = [self.create_publisher(JointGroupCommand, t, 10) for t in prof.output.topics]
+            self.traj_pubs = []
+        else:
+            self.traj_pubs = [self.create_publisher(JointTrajectory, t, 10) for t in prof.output.topics]
         self.create_subscription(SlotReady, READY_TOPIC, self._on_slot, 10,
                                  callback_group=MutuallyExclusiveCallbackGroup())
         self.create_timer(1.0 / prof.control_hz, self._on_tick, callback_group=MutuallyExclusiveCallbackGroup())
@@ -118,12 +130,16 @@ class PolicyNode(Node):
             self.tick = tick
             try:
                 self._expire_request(tick)
-                self.controller.tick(tick)
+                command = self.controller.tick(tick)
                 age = max(0.0, (now_ns - self.joints.oldest_stamp_ns()) * 1e-9)   # stale joint states: no call
                 req = self.controller.maybe_request(tick, self.joints.vector(), age)
             except (ValueError, RuntimeError) as e:  # never let one bad tick stop the control loop
                 self.get_logger().error(f"tick {tick}: {e}", throttle_duration_sec=1.0)
                 return
+        if self.group_cmd is not None:   # Interbotix arms take one command per control tick, per group
+            slices = self.profile.output.joint_slices or ((0, self.profile.state_dim),)
+            for pub, group, (a, b) in zip(self.group_pubs, self.profile.output.groups, slices):
+                pub.publish(self.group_cmd(name=group, cmd=[float(x) for x in command.action[a:b]]))
         if req is not None:
             self.requested_at[req.request_seq] = time.monotonic()
             msg = PrefixRequest()
