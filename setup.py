@@ -22,6 +22,7 @@ setup(
         ("share/ament_index/resource_index/packages", []),
         ("share/vla_runtime", ["package.xml"]),
         ("share/vla_runtime/config", [str(p) for p in sorted((ROOT / "config").glob("*.yaml"))]),
+        ("share/vla_runtime/msg", [str(p) for p in sorted((ROOT / "msg").glob("*.msg"))]),
     ],
     entry_points={"console_scripts": ["vla-runtime = vla_runtime.cli:main",
                                       "vla-vision-node = vla_runtime.nodes.vision_node:main",

@@ -111,6 +111,15 @@ def _demo_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def _replay(args: argparse.Namespace) -> int:
+    from .tools.replay import ReplaySpec, replay_main
+
+    spec = ReplaySpec(in_bag=args.in_bag, out_bag=args.out, profile=args.profile, checkpoint=args.checkpoint,
+                      call_period=args.call_period, seed=args.seed, realtime=args.realtime, storage=args.storage,
+                      overwrite=args.overwrite, golden=args.golden, tolerance=args.tolerance)
+    return replay_main(spec, log=_log)
+
+
 def _inspect(args: argparse.Namespace) -> int:
     from .models.checkpoint import checkpoint_files, content_hash, infer_config, read_tensor_index, validate
     from pathlib import Path
@@ -208,6 +217,25 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--held-out", dest="held_out", type=int, default=2)
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(func=_demo_data)
+
+    rp = sub.add_parser("replay", help="run the policy over a recorded episode bag at its recorded timing; write "
+                                       "chunks and latencies to a bag, optionally compare with a golden bag (JSON)")
+    rp.add_argument("in_bag", help="input episode bag (rosbag2 directory, .db3 or .mcap)")
+    rp.add_argument("--out", required=True, help="output bag (must not exist, unless --overwrite)")
+    rp.add_argument("--profile", default="config/sim.yaml", help="robot profile YAML: topics, joints, checkpoint")
+    rp.add_argument("--checkpoint", default=None, help="checkpoint directory (default: the profile's engine.checkpoint)")
+    rp.add_argument("--call-period", dest="call_period", type=float, default=0.5,
+                    help="seconds of bag time between policy calls")
+    rp.add_argument("--seed", type=int, default=0, help="noise seed: call n uses seed * 1000003 + n, like the policy node")
+    pace = rp.add_mutually_exclusive_group()
+    pace.add_argument("--as-fast-as-possible", dest="realtime", action="store_false", default=False,
+                      help="run calls back to back (default)")
+    pace.add_argument("--realtime", dest="realtime", action="store_true", help="sleep to keep the bag's timing")
+    rp.add_argument("--storage", default="sqlite3", choices=["sqlite3", "mcap"], help="output bag storage")
+    rp.add_argument("--overwrite", action="store_true", help="replace an existing output bag")
+    rp.add_argument("--golden", default=None, help="regression mode: compare the chunks with this bag's (exit 2 on drift)")
+    rp.add_argument("--tolerance", type=float, default=1e-4, help="with --golden: max abs action difference")
+    rp.set_defaults(func=_replay)
 
     i = sub.add_parser("inspect", help="validate a checkpoint and print its architecture")
     i.add_argument("checkpoint")

@@ -9,7 +9,9 @@ the same code. Splitting here is exact: the denoising loop only ever reads the p
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import ContextManager
 
 import numpy as np
 import torch
@@ -17,6 +19,7 @@ from torch import Tensor
 
 from ..engine.dense import DenseEngine
 from ..engine.policy import Observation, Pi05Policy
+from ..engine.timing import PhaseTimer
 from ..models.config import Pi05Config
 from ..models.pi05 import Prefix
 
@@ -73,16 +76,27 @@ class VisionWorker:
         self.spec = PrefixSlotSpec.for_config(self.engine.cfg, self.engine.dtype)
 
     @torch.no_grad()
-    def encode(self, obs: Observation, out: dict[str, Tensor], observation_seq: int, stamp_ns: int) -> PrefixMeta:
+    def encode(self, obs: Observation, out: dict[str, Tensor], observation_seq: int, stamp_ns: int,
+               timer: PhaseTimer | None = None) -> PrefixMeta:
         """Write the prefix of ``obs`` into ``out`` (slot tensors). ``obs.state`` is the state the
-        prompt is conditioned on (the policy's predicted state, not necessarily the observed one)."""
+        prompt is conditioned on (the policy's predicted state, not necessarily the observed one).
+
+        ``timer``, when given, records the ``"vision"`` (input preparation and vision tower) and
+        ``"prefill"`` phases separately; it is optional because timing synchronises a GPU, which
+        the nodes' hot path should not pay for when nobody reads the figures."""
         m = self.engine.model
-        inputs = self.policy.prepare(obs)
-        image_tokens, tapped = m.embed_images(inputs.images.to(self.engine.device), m.cfg.retrieval_layer)
-        prefix = m.build_prefix(image_tokens, inputs.image_mask, inputs.tokens, inputs.token_mask)
-        if prefix.key_bias is not None:
-            raise ValueError("prompt with interior padding: not supported by the prefix slot (batch of one)")
-        m.prefill(prefix)
+
+        def phase(name: str) -> ContextManager[None]:
+            return timer.phase(name) if timer is not None else nullcontext()
+
+        with phase("vision"):
+            inputs = self.policy.prepare(obs)
+            image_tokens, tapped = m.embed_images(inputs.images.to(self.engine.device), m.cfg.retrieval_layer)
+        with phase("prefill"):
+            prefix = m.build_prefix(image_tokens, inputs.image_mask, inputs.tokens, inputs.token_mask)
+            if prefix.key_bias is not None:
+                raise ValueError("prompt with interior padding: not supported by the prefix slot (batch of one)")
+            m.prefill(prefix)
         p = prefix.length
         for i, cache in enumerate(m.caches):
             out["k"][i, :, :p].copy_(cache.k[0, :, :p])
