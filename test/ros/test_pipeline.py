@@ -1,6 +1,6 @@
 """The real vision and policy node processes (rclpy, shared-memory ring buffer) against a test
-robot process, in a private network namespace: the chunk they publish equals the in-process
-engine's for the same observation, state and noise."""
+robot process publishing a frame of a committed episode bag, in a private network namespace: the
+chunk they publish equals the in-process engine's for the same observation, state and noise."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch
 import yaml
 
 from vla_runtime.engine.policy import Observation, Pi05Policy
+from vla_runtime.io.bags import BagTopics, read_episode
 from vla_runtime.testing.netns import ros_env, run_in_private_netns
 from vla_runtime.tools.demo import DemoSpec, make_demo
 
@@ -32,10 +33,14 @@ def test_nodes_publish_the_engines_chunk(tmp_path: Path) -> None:
     profile["engine"]["checkpoint"] = demo["checkpoint"]
     profile["control_hz"] = 20.0
     (tmp_path / "profile.yaml").write_text(yaml.safe_dump(profile))
-    rng = np.random.default_rng(0)
-    images = {c: rng.integers(0, 255, (56, 56, 3), dtype=np.uint8) for c in ("top", "wrist")}
-    state = np.array([0.1, -0.4, 0.3, 0.2, -0.1, 0.05, 0.5], dtype=np.float32)
-    task = "pick up the red block and put it in the bowl"
+    # The robot publishes a frame of the small episode bag committed under test/data (decoded to
+    # raw images, as the profile's camera topics carry sensor_msgs/Image).
+    topics = BagTopics(cameras={c: v["topic"] for c, v in profile["cameras"].items()})
+    episode = read_episode(ROOT / "test" / "data" / "replay" / "episode", topics, call_period=0.5)
+    frame = episode.frames[1]
+    images = {c: np.asarray(frame.images[c], dtype=np.uint8) for c in ("top", "wrist")}
+    state = np.asarray(frame.state, dtype=np.float32)
+    task = episode.task
     spec = {"profile": str(tmp_path / "profile.yaml"), "images": {c: v.tolist() for c, v in images.items()},
             "state": state.tolist(), "task": task, "joint_names": profile["joint_names"],
             "cameras": {c: v["topic"] for c, v in profile["cameras"].items()}, "timeout": 90}
