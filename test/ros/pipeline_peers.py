@@ -25,6 +25,8 @@ def robot(spec: dict) -> int:
     from sensor_msgs.msg import Image, JointState
     from std_msgs.msg import String
 
+    from diagnostic_msgs.msg import DiagnosticArray
+
     from vla_runtime.msg import ActionChunk
 
     assert_only_loopback()
@@ -34,6 +36,8 @@ def robot(spec: dict) -> int:
     node.create_subscription(ActionChunk, "/vla_runtime/action_chunk",
                              lambda m: got.setdefault("chunk", {"call_id": m.call_id, "shape": [m.chunk_length, m.action_dim],
                                                                 "actions": list(m.actions)}), 10)
+    node.create_subscription(DiagnosticArray, "/diagnostics",
+                             lambda m: got.setdefault("diagnostics", {kv.key: kv.value for kv in m.status[0].values}), 10)
     pubs = {c: node.create_publisher(Image, t, 10) for c, t in spec["cameras"].items()}
     joints = node.create_publisher(JointState, "/joint_states", 10)
     task = node.create_publisher(String, "/instruction", 10)
@@ -50,12 +54,12 @@ def robot(spec: dict) -> int:
 
     node.create_timer(0.05, publish)
     deadline = time.monotonic() + spec["timeout"]
-    while "chunk" not in got and time.monotonic() < deadline:
+    while not ("chunk" in got and "diagnostics" in got) and time.monotonic() < deadline:
         rclpy.spin_once(node, timeout_sec=0.1)
     print(json.dumps(got))
     node.destroy_node()
     rclpy.shutdown()
-    return 0 if "chunk" in got else 2
+    return 0 if "chunk" in got and "diagnostics" in got else 2
 
 
 def run(spec: dict) -> int:

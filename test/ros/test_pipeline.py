@@ -50,7 +50,9 @@ def test_nodes_publish_the_engines_chunk(tmp_path: Path) -> None:
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"pipeline timed out; stderr:\n{exc.stderr}")
     assert out.returncode == 0, out.stderr
-    got = json.loads(out.stdout.strip().splitlines()[-1])["chunk"]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert float(report["diagnostics"]["call_latency_s"]) > 0 and int(report["diagnostics"]["calls"]) >= 1
+    got = report["chunk"]
     # The first chunk's call: call 0, or a later one when an early request went unanswered (sent
     # before the vision node was up) and was asked again. No chunk was merged before it, so its
     # prompt state is the observed state; its noise is seeded by its call id.

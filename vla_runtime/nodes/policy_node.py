@@ -16,6 +16,7 @@ import time
 import numpy as np
 import torch
 from builtin_interfaces.msg import Duration, Time
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from rcl_interfaces.msg import ParameterDescriptor
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 from rclpy.node import Node
@@ -83,6 +84,8 @@ class PolicyNode(Node):
         self.create_subscription(String, prof.instruction_topic, self._on_instruction, 10)
         self.request_pub = self.create_publisher(PrefixRequest, REQUEST_TOPIC, 10)
         self.chunk_pub = self.create_publisher(ActionChunk, "/vla_runtime/action_chunk", 10)
+        self.diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
+        self.request_timeouts = 0
         self.group_cmd = None
         if prof.output.kind == "interbotix_joint_group":
             try:
@@ -155,6 +158,7 @@ class PolicyNode(Node):
             self.get_logger().warning(f"prefix request {req.request_seq} unanswered after {self.request_timeout_s} s: "
                                       "asking again")
             self.requested_at.pop(req.request_seq, None)
+            self.request_timeouts += 1
             self.controller.abandon(tick)
 
     # ------------------------------------------------------------ chunks
@@ -180,6 +184,7 @@ class PolicyNode(Node):
         if not merged:
             return
         self._publish(request_seq, chunk, first, upcoming)
+        self._publish_diagnostics(latency)
 
     def _publish(self, request_seq: int, chunk: np.ndarray, first_tick: int, upcoming: np.ndarray) -> None:
         prof = self.profile
@@ -205,6 +210,23 @@ class PolicyNode(Node):
                 self.get_logger().error(f"trajectory not published: {e}")
                 continue
             pub.publish(traj)
+
+
+    def _publish_diagnostics(self, latency_s: float) -> None:
+        """Per-call health for rqt / diagnostic_aggregator: latency, holds, safety, watchdog."""
+        c = self.controller
+        held = c.safety.counts.get("held", 0)
+        status = DiagnosticStatus(name="vla_runtime: policy", hardware_id=self.profile.name,
+                                  level=DiagnosticStatus.OK if c.watchdog.stale_events == 0 else DiagnosticStatus.WARN,
+                                  message="streaming" if c.watchdog.stale_events == 0 else "plan went stale at least once")
+        values = {"call_latency_s": f"{latency_s:.4f}", "expected_latency_s": f"{c.scheduler.expected_latency_s():.4f}",
+                  "calls": str(c.scheduler.counters.finished), "late_chunks": str(c.scheduler.counters.late),
+                  "held_ticks": str(held), "clamped_ticks": str(c.safety.counts.get("clamped", 0)),
+                  "watchdog_stale_events": str(c.watchdog.stale_events), "request_timeouts": str(self.request_timeouts)}
+        status.values = [KeyValue(key=k, value=v) for k, v in values.items()]
+        msg = DiagnosticArray(status=[status])
+        msg.header.stamp = self.get_clock().now().to_msg()
+        self.diag_pub.publish(msg)
 
 
 def main(args: list[str] | None = None) -> None:
