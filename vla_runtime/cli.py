@@ -30,7 +30,8 @@ def _camera_topics(items: list[str]) -> dict[str, str]:
 
 def _bench(args: argparse.Namespace) -> int:
     if args.stream:
-        from .tools.stream_bench import StreamBenchSpec, run_stream_bench, write_json as write_stream
+        from .tools.bench import write_json as write_stream
+        from .tools.stream_bench import StreamBenchSpec, run_stream_bench
 
         modes = tuple(m.strip() for m in args.stitch.split(",") if m.strip())
         spec = StreamBenchSpec(preset=args.preset, checkpoint=args.checkpoint, latency_ms=args.latency_ms,
@@ -48,7 +49,8 @@ def _bench(args: argparse.Namespace) -> int:
                                         log=_log), args.out)
         return 0
     if args.cache:
-        from .tools.cache_bench import CacheBenchSpec, run_cache_bench, write_json as write
+        from .tools.bench import write_json as write
+        from .tools.cache_bench import CacheBenchSpec, run_cache_bench
 
         if not (args.checkpoint and args.bags and args.camera):
             raise ValueError("--cache needs --checkpoint, --bags and --camera NAME=/topic")

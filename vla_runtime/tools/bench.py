@@ -155,7 +155,8 @@ def run_bench(spec: BenchSpec, log=print) -> dict:
 
 
 def write_json(result: dict, out: str | None) -> None:
-    text = json.dumps(result, indent=2)
+    """Print the result as JSON and, with ``out``, also write it there (every bench does this)."""
+    text = json.dumps(result, indent=2, default=str)
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(text)

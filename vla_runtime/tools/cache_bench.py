@@ -8,12 +8,10 @@ while the robot executes a chunk; it is timed and reported separately, not in ca
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -138,11 +136,3 @@ def run_cache_bench(spec: CacheBenchSpec, log=print) -> dict:
                     "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
         **spec.extra,
     }
-
-
-def write_json(result: dict, out: str | None) -> None:
-    text = json.dumps(result, indent=2, default=str)
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(text)
-    print(text)

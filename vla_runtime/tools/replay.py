@@ -247,12 +247,18 @@ def check_policy_matches_profile(policy: Pi05Policy, profile: RobotProfile, chec
                              f"{profile.state_dim} joints ({list(profile.joint_names)})")
 
 
-def _bag_start_ns(path: Path) -> int:
+def _open_reader(path: Path) -> Reader:
+    """An opened rosbags Reader, or a ValueError that says the path is not a bag."""
     reader = Reader(path)
     try:
         reader.open()
     except ReaderError as exc:
         raise ValueError(f"{path} is not a readable rosbag2 bag: {exc}") from exc
+    return reader
+
+
+def _bag_start_ns(path: Path) -> int:
+    reader = _open_reader(path)
     try:
         return int(reader.start_time)
     finally:
@@ -351,11 +357,7 @@ def read_action_chunks(path: str | Path, typestore: Typestore | None = None) -> 
     if not path.exists():
         raise FileNotFoundError(f"no bag at {path}")
     typestore = runtime_typestore() if typestore is None else typestore
-    reader = Reader(path)
-    try:
-        reader.open()
-    except ReaderError as exc:
-        raise ValueError(f"{path} is not a readable rosbag2 bag: {exc}") from exc
+    reader = _open_reader(path)
     try:
         conns = [c for c in reader.connections if c.topic == ACTION_CHUNK_TOPIC]
         if not conns:

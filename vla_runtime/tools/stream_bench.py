@@ -12,7 +12,6 @@ for comparing modes with each other, not with a trained policy.
 
 from __future__ import annotations
 
-import json
 import platform
 import tempfile
 from dataclasses import dataclass
@@ -109,11 +108,3 @@ def run_stream_bench(spec: StreamBenchSpec, log=print) -> dict:
                   "every mode) and freezes freeze_steps more when set; with the default (unset) and a "
                   "tick-by-tick controller it executes like replace"],
     }
-
-
-def write_json(result: dict, out: str | None) -> None:
-    text = json.dumps(result, indent=2)
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(text)
-    print(text)
