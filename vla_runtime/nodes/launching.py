@@ -14,7 +14,7 @@ PARAMETERS = ("profile", "checkpoint")
 def describe(profile_file: str):
     """The LaunchDescription for ``config/<profile_file>`` (imports launch only when called)."""
     from launch import LaunchDescription
-    from launch.actions import DeclareLaunchArgument
+    from launch.actions import DeclareLaunchArgument, Shutdown
     from launch.substitutions import LaunchConfiguration, PathJoinSubstitution
     from launch_ros.actions import Node
     from launch_ros.substitutions import FindPackageShare
@@ -25,6 +25,9 @@ def describe(profile_file: str):
         DeclareLaunchArgument("profile", default_value=default_profile, description="robot profile YAML"),
         DeclareLaunchArgument("checkpoint", default_value="",
                               description="pi0.5 checkpoint directory (overrides the profile's engine.checkpoint)"),
-        *(Node(package="vla_runtime", executable=exe, name=name, parameters=[params], output="screen")
+        # One node dying (bad profile, wrong checkpoint) takes the launch down with a reason, instead
+        # of leaving half a pipeline running.
+        *(Node(package="vla_runtime", executable=exe, name=name, parameters=[params], output="screen",
+               on_exit=Shutdown(reason=f"{name} exited"))
           for exe, name in NODES),
     ])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from typing import Callable
 
 
@@ -18,6 +19,9 @@ def run(make_node: Callable[[], object], threads: int = 1, args: list[str] | Non
     except KeyboardInterrupt:
         pass
     finally:
+        # Ctrl-C in a terminal reaches the node twice (directly and relayed by ros2 launch): the
+        # clean-up (closing the ring buffer, destroying the node) must not be cut by the second.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         node.destroy_node()
         if rclpy.ok():
             rclpy.shutdown()
