@@ -7,7 +7,7 @@ from pathlib import Path
 import cv2
 import numpy as np
 import pytest
-from rosbags.rosbag2 import Writer
+from rosbags.rosbag2 import Reader, Writer
 from rosbags.typesys import Stores, get_typestore
 
 from vla_runtime.io.bags import (
@@ -53,10 +53,10 @@ def _raw_image(ns: int, value: int, encoding: str = "rgb8"):
                                               is_bigendian=0, step=24, data=data.reshape(-1))
 
 
-def _joint_state(ns: int, position: list[float]):
+def _joint_state(ns: int, position: list[float], names: list[str] | None = None):
+    names = [f"j{i}" for i in range(len(position))] if names is None else names
     return _TS.types["sensor_msgs/msg/JointState"](
-        header=_header(ns), name=[f"j{i}" for i in range(len(position))], position=np.asarray(position, float),
-        velocity=np.zeros(0), effort=np.zeros(0))
+        header=_header(ns), name=names, position=np.asarray(position, float), velocity=np.zeros(0), effort=np.zeros(0))
 
 
 def _string(text: str):
@@ -236,7 +236,7 @@ def test_undecodable_images(tmp_path: Path):
             ("/joint_states", "sensor_msgs/msg/JointState", 10, _joint_state(10, [0.0])),
             ("/instruction", "std_msgs/msg/String", 10, _string("go"))]
     _write_raw_bag(tmp_path / "a", base + [("/cam/top/image", "sensor_msgs/msg/CompressedImage", 10, junk)])
-    with pytest.raises(ValueError, match="undecodable image on /cam/top/image.*could not decode"):
+    with pytest.raises(ValueError, match=r"image on /cam/top/image at t=0\.000s refused: camera 'top': could not decode"):
         read_episode(tmp_path / "a", TOPICS, call_period=0.1)
 
     bayer = _raw_image(10, 1, encoding="bayer_rggb8")
@@ -294,3 +294,147 @@ def test_synthetic_episode_through_a_bag(tmp_path: Path):
     assert len(back.frames) == 30 and back.task == ep.task and back.success is True
     assert all(np.array_equal(a.images["wrist"], b.images["wrist"]) and np.array_equal(a.state, b.state)
                for a, b in zip(ep.frames, back.frames))
+
+
+# ---------------------------------------------------------------------------------------------
+# Joint states by name (robot profiles): the policy node's JointStateAssembler on recorded bags
+
+ARM_JOINTS = ("left_a", "left_b", "left_grip", "right_a", "right_b", "right_grip", "base")   # model order
+ARMS = ("/left/joint_states", "/right/joint_states")
+BY_NAME = BagTopics(cameras=TOPICS.cameras, joint_states=ARMS, joint_names=ARM_JOINTS)
+# How a bimanual robot might publish them: one topic per arm, driver order, not model order.
+SPLIT_SHUFFLED = {ARMS[0]: ["left_grip", "base", "left_a", "left_b"], ARMS[1]: ["right_b", "right_grip", "right_a"]}
+
+
+def _states(ep: Episode) -> np.ndarray:
+    return np.stack([f.state for f in ep.frames])
+
+
+def test_joint_states_on_two_topics_in_shuffled_order_assemble_to_profile_order(tmp_path: Path):
+    ep = _episode(n=6)
+    one_topic = BagTopics(cameras=TOPICS.cameras, joint_names=ARM_JOINTS)
+    write_episode_bag(tmp_path / "profile_order", ep, one_topic)
+    write_episode_bag(tmp_path / "split", ep, BY_NAME, joint_layout=SPLIT_SHUFFLED)
+    with Reader(tmp_path / "split") as reader:   # the bag really is split and shuffled
+        first = {c.topic: _TS.deserialize_cdr(raw, c.msgtype) for c, _, raw in reader.messages()
+                 if c.topic in ARMS}
+    assert {t: list(m.name) for t, m in first.items()} == SPLIT_SHUFFLED
+    assert list(first[ARMS[1]].position) == pytest.approx([ep.frames[-1].state[i] for i in (4, 5, 3)])
+
+    reference = read_episode(tmp_path / "profile_order", one_topic, call_period=0.1, state_dim=7)
+    split = read_episode(tmp_path / "split", BY_NAME, call_period=0.1, state_dim=7)
+    assert np.array_equal(_states(split), _states(ep)) and np.array_equal(_states(reference), _states(ep))
+    assert [f.t for f in split.frames] == [f.t for f in reference.frames]
+    assert all(np.array_equal(a.images["top"], b.images["top"]) for a, b in zip(split.frames, reference.frames))
+
+
+def test_without_joint_names_a_single_topic_is_read_in_message_order(tmp_path: Path):
+    """No profile (build-cache from the command line): positions as published, as before."""
+    ep = _episode(n=3)
+    shuffled = {"/joint_states": list(reversed(ARM_JOINTS))}
+    write_episode_bag(tmp_path / "bag", ep, TOPICS, joint_names=ARM_JOINTS, joint_layout=shuffled)
+    as_published = read_episode(tmp_path / "bag", TOPICS, call_period=0.1)
+    assert np.array_equal(_states(as_published), _states(ep)[:, ::-1])
+    by_name = read_episode(tmp_path / "bag", BagTopics(cameras=TOPICS.cameras, joint_names=ARM_JOINTS),
+                           call_period=0.1)
+    assert np.array_equal(_states(by_name), _states(ep))
+
+
+def test_each_joint_takes_the_newest_value_any_topic_published(tmp_path: Path):
+    """Arms at different rates and phases: every call sees, per joint, the newest message at
+    or before the call time; calls start once every named joint has a value."""
+    t0 = DEFAULT_START_TIME_NS
+    ms = 10**6
+    left_times = [t0 + k * 20 * ms for k in range(30)]
+    right_times = [t0 + 35 * ms + k * 50 * ms for k in range(12)]
+    msgs: list[tuple[str, str, int, object]] = [("/instruction", "std_msgs/msg/String", t0, _string("wipe"))]
+    msgs += [(cam, "sensor_msgs/msg/Image", t0 + k * 100 * ms, _raw_image(t0 + k * 100 * ms, k))
+             for cam in TOPICS.cameras.values() for k in range(6)]
+    msgs += [(ARMS[0], "sensor_msgs/msg/JointState", ns, _joint_state(ns, [k, -k, 0.5, 9.0], ["left_b", "left_a",
+                                                                                            "left_grip", "base"]))
+             for k, ns in enumerate(left_times)]
+    msgs += [(ARMS[1], "sensor_msgs/msg/JointState", ns, _joint_state(ns, [100 + k, 0.25, 200 + k, 1.0],
+                                                                      ["right_a", "right_grip", "right_b", "other"]))
+             for k, ns in enumerate(right_times)]
+    _write_raw_bag(tmp_path / "bag", msgs)
+
+    ep = read_episode(tmp_path / "bag", BY_NAME, call_period=0.03)
+    assert ep.frames[0].t == pytest.approx(0.035)   # the right arm's first message completes the state
+    for f in ep.frames:
+        call = t0 + round(f.t * 1e9)
+        k_left = max(k for k, ns in enumerate(left_times) if ns <= call)
+        k_right = max(k for k, ns in enumerate(right_times) if ns <= call)
+        expected = [-k_left, k_left, 0.5, 100 + k_right, 200 + k_right, 0.25, 9.0]
+        assert f.state.tolist() == pytest.approx(expected)
+
+
+def test_a_profile_joint_missing_from_the_bag_is_named(tmp_path: Path):
+    layout = {ARMS[0]: SPLIT_SHUFFLED[ARMS[0]], ARMS[1]: ["right_b", "right_a"]}   # no right_grip
+    write_episode_bag(tmp_path / "missing", _episode(n=3), BY_NAME, joint_layout=layout)
+    with pytest.raises(ValueError, match=r"joint\(s\) \['right_grip'\] of the joint names never appear on the "
+                                         r"joint-state topic\(s\) \['/left/joint_states', '/right/joint_states'\]"):
+        read_episode(tmp_path / "missing", BY_NAME, call_period=0.1)
+
+    # A renamed joint: the names the bag has instead are listed, that is usually the fix.
+    renamed = [n.replace("right_grip", "right_gripper") for n in ARM_JOINTS]
+    write_episode_bag(tmp_path / "renamed", _episode(n=3), BY_NAME, joint_names=renamed,
+                      joint_layout={ARMS[0]: ["left_a", "left_b", "left_grip", "base"],
+                                    ARMS[1]: ["right_a", "right_b", "right_gripper"]})
+    with pytest.raises(ValueError, match=r"\['right_grip'\] .*not joint names: \['right_gripper'\]"):
+        read_episode(tmp_path / "renamed", BY_NAME, call_period=0.1)
+
+
+@pytest.mark.parametrize("names,position,problem", [
+    (["right_a", "right_b", "right_grip"], [0.0, float("nan"), 0.0], r"non-finite positions for \['right_b'\]"),
+    (["right_a", "right_b", "right_grip"], [0.0, 1.0], "3 names but 2 positions"),
+    (["wheel_l", "wheel_r"], [0.0, 1.0], r"names \['wheel_l', 'wheel_r'\] match none of the profile's joints"),
+])
+def test_joint_states_the_node_would_refuse_fail_the_read(tmp_path: Path, names, position, problem):
+    """Every joint-state message is validated like the node's, even one no call would use."""
+    left, right = ["left_a", "left_b", "left_grip", "base"], ["right_a", "right_b", "right_grip"]
+    bad_ns = 2 * 10**8 + 10
+    msgs = [("/instruction", "std_msgs/msg/String", 10, _string("go")),
+            ("/cam/top/image", "sensor_msgs/msg/Image", 10, _raw_image(10, 1)),
+            ("/cam/wrist/image", "sensor_msgs/msg/Image", 10, _raw_image(10, 1)),
+            (ARMS[0], "sensor_msgs/msg/JointState", 10, _joint_state(10, [0.0] * 4, left)),
+            (ARMS[1], "sensor_msgs/msg/JointState", 10, _joint_state(10, [0.0] * 3, right)),
+            (ARMS[1], "sensor_msgs/msg/JointState", bad_ns, _joint_state(bad_ns, position, names)),
+            (ARMS[1], "sensor_msgs/msg/JointState", bad_ns + 10, _joint_state(bad_ns + 10, [0.0] * 3, right))]
+    _write_raw_bag(tmp_path / "bag", msgs)
+    with pytest.raises(ValueError, match=rf"joint state on /right/joint_states at t=0\.200s refused: .*{problem}"):
+        read_episode(tmp_path / "bag", BY_NAME, call_period=1.0)
+
+
+def test_joint_topic_and_name_arguments_are_checked(tmp_path: Path):
+    assert TOPICS.joint_states == ("/joint_states",)                # one topic is a 1-tuple
+    assert BagTopics(cameras=TOPICS.cameras, joint_states=list(ARMS), joint_names=list(ARM_JOINTS)) == BY_NAME
+    with pytest.raises(ValueError, match="can only be combined by joint name"):
+        BagTopics(cameras=TOPICS.cameras, joint_states=ARMS)
+    with pytest.raises(ValueError, match="unique joint names"):
+        BagTopics(cameras=TOPICS.cameras, joint_names=("a", "a"))
+    with pytest.raises(ValueError, match="more than once"):
+        BagTopics(cameras=TOPICS.cameras, joint_states=("/joint_states", "/cam/top/image"), joint_names=ARM_JOINTS)
+    with pytest.raises(ValueError, match="at least one topic"):
+        BagTopics(cameras=TOPICS.cameras, joint_states=())
+    with pytest.raises(ValueError, match="pass joint_layout"):
+        write_episode_bag(tmp_path / "a", _episode(n=2), BY_NAME)
+    with pytest.raises(ValueError, match=r"unknown: \['elbow'\]"):
+        write_episode_bag(tmp_path / "b", _episode(n=2), BY_NAME, joint_layout={ARMS[0]: ["elbow"], ARMS[1]: []})
+    write_episode_bag(tmp_path / "c", _episode(n=2), BY_NAME, joint_layout=SPLIT_SHUFFLED)
+    with pytest.raises(ValueError, match="state_dim 5 does not match the 7 joint names"):
+        read_episode(tmp_path / "c", BY_NAME, call_period=0.1, state_dim=5)
+    three_arms = BagTopics(cameras=TOPICS.cameras, joint_states=(*ARMS, "/third/joint_states"), joint_names=ARM_JOINTS)
+    with pytest.raises(ValueError, match=r"lacks topic\(s\) \['/third/joint_states'\]"):
+        read_episode(tmp_path / "c", three_arms, call_period=0.1)
+
+
+def test_images_larger_than_the_vision_node_accepts_are_refused(tmp_path: Path):
+    wide = _TS.types["sensor_msgs/msg/Image"](header=_header(10), height=1, width=4097, encoding="mono8",
+                                              is_bigendian=0, step=4097, data=np.zeros(4097, np.uint8))
+    msgs = [("/cam/top/image", "sensor_msgs/msg/Image", 10, wide),
+            ("/cam/wrist/image", "sensor_msgs/msg/Image", 10, _raw_image(10, 1)),
+            ("/joint_states", "sensor_msgs/msg/JointState", 10, _joint_state(10, [0.0])),
+            ("/instruction", "std_msgs/msg/String", 10, _string("go"))]
+    _write_raw_bag(tmp_path / "bag", msgs)
+    with pytest.raises(ValueError, match="image on /cam/top/image .* refused: camera 'top': image 4097x1 exceeds 4096"):
+        read_episode(tmp_path / "bag", TOPICS, call_period=0.1)

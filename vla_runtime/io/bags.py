@@ -1,10 +1,10 @@
 """Recorded robot episodes in rosbag2, read and written without ROS.
 
 An *episode* is one bag recorded on the robot while it performed one task: camera topics
-(``sensor_msgs/msg/Image`` or ``sensor_msgs/msg/CompressedImage``), a joint-state topic
-(``sensor_msgs/msg/JointState``, positions are the policy state), an instruction topic
-(``std_msgs/msg/String``) and optionally an outcome topic (``std_msgs/msg/String`` with
-``"success"`` / ``"failure"``).
+(``sensor_msgs/msg/Image`` or ``sensor_msgs/msg/CompressedImage``), one or more joint-state
+topics (``sensor_msgs/msg/JointState``, positions are the policy state; a bimanual robot may
+publish one topic per arm), an instruction topic (``std_msgs/msg/String``) and optionally an
+outcome topic (``std_msgs/msg/String`` with ``"success"`` / ``"failure"``).
 
 The pure-Python ``rosbags`` package does the bag I/O, so these tools run on a laptop or in CI
 without a ROS installation and without starting any middleware.
@@ -23,12 +23,15 @@ import bisect
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Sequence
 
 import cv2
 import numpy as np
 from rosbags.rosbag2 import Reader, ReaderError, StoragePlugin, Writer
 from rosbags.typesys import Stores, get_typestore
+
+if TYPE_CHECKING:  # imported at run time inside read_episode: conversions imports this module
+    from ..nodes.conversions import JointStateAssembler
 
 IMAGE_TYPE = "sensor_msgs/msg/Image"
 COMPRESSED_IMAGE_TYPE = "sensor_msgs/msg/CompressedImage"
@@ -64,12 +67,23 @@ class BagTopics:
     ``cameras`` maps the policy's camera name (e.g. ``"top"``) to the topic that carried it, so
     bags recorded with robot-specific topic names map onto the names the policy expects.
     ``outcome=None`` means the bags carry no outcome topic.
+
+    ``joint_states`` is one topic or several (one per arm, say); it is always a tuple after
+    construction, a single string is accepted for the common case. ``joint_names`` is the
+    model's joint order (a robot profile's ``joint_names``). With it, the state is assembled *by
+    name* from every joint-state topic with the live policy node's
+    :class:`~vla_runtime.nodes.conversions.JointStateAssembler`, so a replayed or cached call
+    sees the vector the node would have built, whatever order or split the robot published
+    in, and a bag is refused exactly where the node would refuse a message. Without it (tools
+    that have no profile), the positions of the single joint-state topic are the state, in
+    message order; several topics then cannot be combined and are refused.
     """
 
     cameras: dict[str, str]
-    joint_states: str = "/joint_states"
+    joint_states: str | tuple[str, ...] = "/joint_states"
     instruction: str = "/instruction"
     outcome: str | None = "/episode_outcome"
+    joint_names: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.cameras, dict) or not self.cameras:
@@ -79,7 +93,20 @@ class BagTopics:
             if not isinstance(name, str) or not name:
                 raise ValueError(f"camera names must be non-empty strings, got {name!r}")
             _check_topic_name(topic, f"camera {name!r}")
-        _check_topic_name(self.joint_states, "joint_states")
+        joint_topics = (self.joint_states,) if isinstance(self.joint_states, str) else tuple(self.joint_states)
+        if not joint_topics:
+            raise ValueError("BagTopics.joint_states needs at least one topic")
+        for topic in joint_topics:
+            _check_topic_name(topic, "joint_states")
+        object.__setattr__(self, "joint_states", joint_topics)
+        if self.joint_names is not None:
+            names = (self.joint_names,) if isinstance(self.joint_names, str) else tuple(self.joint_names)
+            if not names or not all(isinstance(n, str) and n for n in names) or len(set(names)) != len(names):
+                raise ValueError(f"BagTopics.joint_names must be non-empty, unique joint names, got {list(names)}")
+            object.__setattr__(self, "joint_names", names)
+        elif len(joint_topics) > 1:
+            raise ValueError(f"joint states on several topics {list(joint_topics)} can only be combined by joint "
+                             "name: pass joint_names (the model's joint order)")
         _check_topic_name(self.instruction, "instruction")
         if self.outcome is not None:
             _check_topic_name(self.outcome, "outcome")
@@ -90,7 +117,7 @@ class BagTopics:
 
     def all_topics(self) -> list[str]:
         """Every topic named here, cameras first."""
-        topics = [*self.cameras.values(), self.joint_states, self.instruction]
+        topics = [*self.cameras.values(), *self.joint_states, self.instruction]
         if self.outcome is not None:
             topics.append(self.outcome)
         return topics
@@ -225,6 +252,7 @@ def write_episode_bag(
     image_format: ImageFormat | None = None,
     jpeg_quality: int = 90,
     joint_names: Sequence[str] | None = None,
+    joint_layout: Mapping[str, Sequence[str]] | None = None,
     instruction_period: float | None = None,
     start_time_ns: int = DEFAULT_START_TIME_NS,
 ) -> None:
@@ -239,7 +267,14 @@ def write_episode_bag(
 
     ``compressed`` selects ``CompressedImage`` (``image_format`` ``"jpeg"``, the default, or
     ``"png"``) over raw ``Image`` (``"rgb8"``, the default, ``"bgr8"`` or ``"mono8"``; mono8 drops
-    colour and exists to test readers). Joint names default to ``joint_0, joint_1, ...``.
+    colour and exists to test readers). Joint names (entry ``i`` names ``state[i]``) default to
+    ``topics.joint_names``, else ``joint_0, joint_1, ...``.
+
+    ``joint_layout`` says which joints each of ``topics.joint_states`` publishes, in message
+    order: recordings of real robots split joints over topics (one per arm) and order them as
+    their drivers do, and readers must cope. A joint listed for no topic is not recorded (a bag
+    the reader must refuse). Default: every joint in state order on the single joint-state
+    topic; several joint-state topics need a layout.
     """
     path = Path(path)
     if storage not in _STORAGES:
@@ -262,9 +297,12 @@ def write_episode_bag(
     if episode.success is not None and topics.outcome is None:
         raise ValueError("the episode has an outcome but topics.outcome is None; set an outcome topic "
                          "or set episode.success to None")
+    if joint_names is None:
+        joint_names = topics.joint_names
     names = [f"joint_{i}" for i in range(episode.state_dim)] if joint_names is None else list(joint_names)
     if len(names) != episode.state_dim:
         raise ValueError(f"got {len(names)} joint names for a {episode.state_dim}-dim state")
+    layout = _joint_layout(topics.joint_states, names, joint_layout)
     if path.exists():
         raise FileExistsError(f"{path} exists already; rosbag2 writers only create new bags")
 
@@ -309,16 +347,19 @@ def write_episode_bag(
         ns = stamp_ns(fr.t)
         for cam, img in fr.images.items():
             add(ns, topics.cameras[cam], _image_message(typestore, img, header(ns, cam), image_format, jpeg_quality))
-        add(ns, topics.joint_states, t_[JOINT_STATE_TYPE](
-            header=header(ns, ""), name=list(names), position=fr.state.astype(np.float64),
-            velocity=np.zeros(0, dtype=np.float64), effort=np.zeros(0, dtype=np.float64)))
+        for topic, columns in layout.items():
+            add(ns, topic, t_[JOINT_STATE_TYPE](
+                header=header(ns, ""), name=[names[c] for c in columns],
+                position=fr.state[columns].astype(np.float64),
+                velocity=np.zeros(0, dtype=np.float64), effort=np.zeros(0, dtype=np.float64)))
     if episode.success is not None:
         assert topics.outcome is not None
         add(stamp_ns(episode.frames[-1].t), topics.outcome,
             t_[STRING_TYPE](data="success" if episode.success else "failure"))
     events.sort(key=lambda e: (e[0], e[1]))
 
-    msgtypes = {topics.joint_states: JOINT_STATE_TYPE, topics.instruction: STRING_TYPE}
+    msgtypes = {topic: JOINT_STATE_TYPE for topic in topics.joint_states}
+    msgtypes[topics.instruction] = STRING_TYPE
     msgtypes.update({topic: image_type for topic in topics.cameras.values()})
     if topics.outcome is not None and episode.success is not None:
         msgtypes[topics.outcome] = STRING_TYPE
@@ -327,6 +368,29 @@ def write_episode_bag(
                  for topic, msgtype in msgtypes.items()}
         for ns, _, topic, msg in events:
             writer.write(conns[topic], ns, typestore.serialize_cdr(msg, msgtypes[topic]))
+
+
+def _joint_layout(topics: Sequence[str], names: list[str],
+                  layout: Mapping[str, Sequence[str]] | None) -> dict[str, list[int]]:
+    """State columns published on each joint-state topic, in message order (see
+    :func:`write_episode_bag`)."""
+    if layout is None:
+        if len(topics) > 1:
+            raise ValueError(f"the episode goes to several joint-state topics {list(topics)}: pass joint_layout "
+                             "to say which joints each one publishes")
+        return {topics[0]: list(range(len(names)))}
+    if set(layout) != set(topics):
+        raise ValueError(f"joint_layout names topics {sorted(layout)}, the joint-state topics are {sorted(topics)}")
+    index = {n: i for i, n in enumerate(names)}
+    out = {}
+    for topic in topics:
+        listed = list(layout[topic])
+        unknown = [n for n in listed if n not in index]
+        if unknown or len(set(listed)) != len(listed):
+            raise ValueError(f"joint_layout[{topic!r}] = {listed}: each entry must be one of the joint names "
+                             f"{names}, at most once" + (f" (unknown: {unknown})" if unknown else ""))
+        out[topic] = [index[n] for n in listed]
+    return out
 
 
 def _image_message(typestore: Any, rgb: np.ndarray, header: Any, image_format: str, jpeg_quality: int) -> Any:
@@ -421,13 +485,22 @@ class _Latest:
 
 @dataclass
 class _CallSampler:
-    """Turns a time-ordered message stream into policy calls (see :func:`read_episode`)."""
+    """Turns a time-ordered message stream into policy calls (see :func:`read_episode`).
+
+    Images are decoded lazily: only the newest message of a camera at a call, once. So is the
+    state when it is the single joint-state topic's positions in message order. With an
+    ``assembler`` (joint names given) every joint-state message is instead applied as it
+    arrives, in log-time order, exactly as the policy node's subscription callbacks apply
+    them: a joint's value is the newest one any topic published, and every message is
+    validated, not only the ones a call happens to use.
+    """
 
     topics: BagTopics
     call_period_ns_float: float
     state_dim: int | None
     typestore: Any
     start_ns: int
+    assembler: JointStateAssembler | None = None
     latest: dict[str, _Latest] = field(default_factory=dict)
     instructions: list[tuple[int, str]] = field(default_factory=list)
     outcome: str | None = None
@@ -436,10 +509,20 @@ class _CallSampler:
     last_data_ns: int | None = None
     last_ns: int = -1
     frames: list[EpisodeFrame] = field(default_factory=list)
+    # Names published on joint-state topics that are not among the joint names: shown when a
+    # named joint never appears, since a renamed joint is the usual cause.
+    foreign_joints: set[str] = field(default_factory=set)
     data_topics: set[str] = field(init=False)  # cameras and joint states: the topics calls sample
+    camera_of: dict[str, str] = field(init=False)
+    image_from_msg: Callable[..., np.ndarray] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.data_topics = {*self.topics.cameras.values(), self.topics.joint_states}
+        # Imported here, not at module level: conversions imports this module (image decoding).
+        from ..nodes.conversions import image_from_msg
+
+        self.image_from_msg = image_from_msg
+        self.data_topics = {*self.topics.cameras.values(), *self.topics.joint_states}
+        self.camera_of = {topic: cam for cam, topic in self.topics.cameras.items()}
 
     def call_ns(self, k: int) -> int:
         # k * period in float, then rounded: matches stamps written as round(t * 1e9), so a
@@ -454,16 +537,26 @@ class _CallSampler:
         self.last_ns = ns
         if topic in self.data_topics:
             self.emit_before(ns)
-            self.latest[topic] = _Latest(ns, raw, msgtype)
+            self.latest[topic] = entry = _Latest(ns, raw, msgtype)
             self.last_data_ns = ns
+            if self.assembler is not None and topic not in self.camera_of:
+                self.assemble(topic, entry)
         elif topic == self.topics.instruction:
             text = self.typestore.deserialize_cdr(raw, STRING_TYPE).data
             self.instructions.append((ns, text))
         elif topic == self.topics.outcome:
             self.outcome = self.typestore.deserialize_cdr(raw, STRING_TYPE).data
             return
-        if self.ready_ns is None and self.instructions and self.data_topics <= self.latest.keys():
+        if self.ready_ns is None and self.instructions and self.inputs_complete():
             self.ready_ns = ns
+
+    def inputs_complete(self) -> bool:
+        """Whether every camera has an image and the state is known: a call can be made."""
+        if not all(topic in self.latest for topic in self.camera_of):
+            return False
+        if self.assembler is not None:
+            return self.assembler.complete()
+        return self.topics.joint_states[0] in self.latest
 
     def emit_before(self, ns: int) -> None:
         """Emit every call strictly before ``ns``: all messages up to it are already seen."""
@@ -482,7 +575,10 @@ class _CallSampler:
 
     def emit(self, call: int) -> None:
         images = {cam: self.decoded(topic, call) for cam, topic in self.topics.cameras.items()}
-        state = self.decoded(self.topics.joint_states, call)
+        if self.assembler is not None:
+            state = self.assembler.vector()   # a fresh array: later messages do not change this frame
+        else:
+            state = self.decoded(self.topics.joint_states[0], call)
         i = bisect.bisect_right(self.instructions, call, key=lambda x: x[0]) - 1
         assert i >= 0, "calls start only once an instruction has arrived"
         self.frames.append(EpisodeFrame(t=(call - self.start_ns) / 1e9, images=images, state=state,
@@ -496,13 +592,31 @@ class _CallSampler:
             entry.decoded_ns = entry.ns
         return entry.decoded
 
-    def decode(self, topic: str, entry: _Latest) -> Any:
-        at = f"{topic} at t={(entry.ns - self.start_ns) / 1e9:.3f}s"
+    def where(self, topic: str, entry: _Latest) -> str:
+        return f"{topic} at t={(entry.ns - self.start_ns) / 1e9:.3f}s"
+
+    def deserialize(self, topic: str, entry: _Latest) -> Any:
         try:
-            msg = self.typestore.deserialize_cdr(entry.raw, entry.msgtype)
+            return self.typestore.deserialize_cdr(entry.raw, entry.msgtype)
         except Exception as exc:  # noqa: BLE001 - re-raised with the topic and time
-            raise ValueError(f"could not deserialize {entry.msgtype} on {at}: {exc}") from exc
-        if topic == self.topics.joint_states:
+            raise ValueError(f"could not deserialize {entry.msgtype} on {self.where(topic, entry)}: {exc}") from exc
+
+    def assemble(self, topic: str, entry: _Latest) -> None:
+        """Apply one joint-state message to the assembler; a message the node would refuse
+        (NaN, names and positions of different lengths, no known joint) fails the read."""
+        assert self.assembler is not None
+        msg = self.deserialize(topic, entry)
+        try:
+            self.assembler.update(msg, entry.ns)
+        except ValueError as exc:  # InputError: the node's diagnostic, which names the joints
+            raise ValueError(f"joint state on {self.where(topic, entry)} refused: {exc}") from exc
+        self.foreign_joints.update(n for n in msg.name if n not in self.assembler.index)
+
+    def decode(self, topic: str, entry: _Latest) -> Any:
+        at = self.where(topic, entry)
+        msg = self.deserialize(topic, entry)
+        camera = self.camera_of.get(topic)
+        if camera is None:  # the single joint-state topic, positions in message order
             state = np.asarray(msg.position, dtype=np.float32)
             if self.state_dim is None:
                 self.state_dim = int(state.shape[0])
@@ -512,10 +626,11 @@ class _CallSampler:
                 raise ValueError(f"state dimension mismatch: joint state on {at} has {state.shape[0]} positions, "
                                  f"expected {self.state_dim}")
             return state
+        # The vision node's conversion, so replay refuses exactly the images the node would.
         try:
-            return decode_image_message(msg, entry.msgtype)
+            return self.image_from_msg(msg, entry.msgtype == COMPRESSED_IMAGE_TYPE, camera)
         except ValueError as exc:
-            raise ValueError(f"undecodable image on {at}: {exc}") from exc
+            raise ValueError(f"image on {at} refused: {exc}") from exc
 
 
 def read_episode(
@@ -536,10 +651,20 @@ def read_episode(
     ``"failure"``), ``None`` if the bag has no outcome topic or message. ``state_dim``, when
     given, is checked against every joint state used.
 
+    With ``topics.joint_names`` the state is assembled by name from all of
+    ``topics.joint_states`` with the policy node's ``JointStateAssembler`` (every message, in
+    log-time order): the first call waits until every named joint has a value, each value is
+    the newest any topic published, names the profile does not have are ignored. Images go
+    through the vision node's ``image_from_msg``. So a bag is read with the node's validation,
+    and a message the node would refuse is an error here (replay is a regression check; a bad
+    recording should not pass silently).
+
     Frame times ``t`` count from the bag's first message. ``episode_id`` defaults to the bag's
     name. Raises ``FileNotFoundError`` for a missing path and ``ValueError`` for a bag that
     lacks a topic (listing the topics it has), has a topic of the wrong type, has no
-    instruction, has mismatched state dimensions or images that cannot be decoded.
+    instruction, has mismatched state dimensions, a named joint that never appears (naming it
+    and the topics searched), non-finite joint positions (naming topic, time and joint) or
+    images that cannot be decoded.
     """
     path = Path(path)
     if not path.exists():
@@ -548,6 +673,14 @@ def read_episode(
         raise ValueError(f"call_period must be a positive number of seconds, got {call_period!r}")
     if state_dim is not None and state_dim < 1:
         raise ValueError(f"state_dim must be >= 1, got {state_dim}")
+    assembler = None
+    if topics.joint_names is not None:
+        if state_dim is not None and state_dim != len(topics.joint_names):
+            raise ValueError(f"state_dim {state_dim} does not match the {len(topics.joint_names)} joint names "
+                             f"{list(topics.joint_names)}")
+        from ..nodes.conversions import JointStateAssembler  # not at module level: it imports this module
+
+        assembler = JointStateAssembler(topics.joint_names)
 
     typestore = get_typestore(Stores.ROS2_JAZZY)
     reader = Reader(path)
@@ -560,11 +693,12 @@ def read_episode(
         for conn in reader.connections:
             types_by_topic.setdefault(conn.topic, set()).add(conn.msgtype)
         available = ", ".join(f"{t} ({'/'.join(sorted(m))})" for t, m in sorted(types_by_topic.items())) or "none"
-        required = [*topics.cameras.values(), topics.joint_states, topics.instruction]
+        required = [*topics.cameras.values(), *topics.joint_states, topics.instruction]
         missing = [t for t in required if t not in types_by_topic]
         if missing:
             raise ValueError(f"bag {path} lacks topic(s) {missing}; it has: {available}")
-        expected = {topics.joint_states: {JOINT_STATE_TYPE}, topics.instruction: {STRING_TYPE}}
+        expected = {t: {JOINT_STATE_TYPE} for t in topics.joint_states}
+        expected[topics.instruction] = {STRING_TYPE}
         expected.update({t: {IMAGE_TYPE, COMPRESSED_IMAGE_TYPE} for t in topics.cameras.values()})
         if topics.outcome is not None and topics.outcome in types_by_topic:
             expected[topics.outcome] = {STRING_TYPE}
@@ -576,7 +710,7 @@ def read_episode(
 
         wanted = [c for c in reader.connections if c.topic in expected]
         sampler = _CallSampler(topics=topics, call_period_ns_float=call_period * 1e9, state_dim=state_dim,
-                               typestore=typestore, start_ns=reader.start_time)
+                               typestore=typestore, start_ns=reader.start_time, assembler=assembler)
         for conn, ns, raw in reader.messages(connections=wanted):
             sampler.on_message(conn.topic, ns, raw, conn.msgtype)
         sampler.finish()
@@ -587,6 +721,14 @@ def read_episode(
         raise ValueError(f"bag {path} has no instruction: topic {topics.instruction} has no messages")
     if not sampler.frames:
         silent = [t for t in sorted(sampler.data_topics) if t not in sampler.latest]
+        never = assembler.missing() if assembler is not None else []
+        if never:
+            foreign = sorted(sampler.foreign_joints)
+            raise ValueError(
+                f"bag {path}: joint(s) {never} of the joint names never appear on the joint-state topic(s) "
+                f"{list(topics.joint_states)}"
+                + (f"; names published there that are not joint names: {foreign}" if foreign else "")
+                + (f"; topics without messages: {silent}" if silent else ""))
         raise ValueError(f"bag {path} has no moment where every camera, the joint state and the instruction "
                          f"had a message; topics without messages: {silent or 'none'}")
     success = None

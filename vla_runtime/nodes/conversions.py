@@ -36,7 +36,12 @@ def image_from_msg(msg: Any, compressed: bool, camera: str, max_side: int = 4096
 
 @dataclass
 class JointStateAssembler:
-    """Joint states (possibly several topics, e.g. one per arm) -> one vector in profile order."""
+    """Joint states (possibly several topics, e.g. one per arm) -> one vector in profile order.
+
+    Bag reading (``vla_runtime.io.bags.read_episode`` with joint names, hence replay and the
+    cache builder) feeds recorded messages through this same class, so a recording is
+    assembled and refused exactly as the policy node does it live.
+    """
 
     joint_names: Sequence[str]
 
@@ -62,8 +67,13 @@ class JointStateAssembler:
     def complete(self) -> bool:
         return bool(np.isfinite(self.state).all())
 
+    def missing(self) -> list[str]:
+        """The profile's joints no accepted message has named yet, in profile order: what
+        keeps the state incomplete (replay names them when a recording never has them)."""
+        return [n for n, v in zip(self.joint_names, self.state) if not math.isfinite(v)]
+
     def vector(self) -> np.ndarray:
-        missing = [n for n, v in zip(self.joint_names, self.state) if not math.isfinite(v)]
+        missing = self.missing()
         if missing:
             raise InputError(f"no joint state received yet for {missing}")
         return self.state.astype(np.float32)

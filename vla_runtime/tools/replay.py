@@ -7,6 +7,16 @@ of every topic at that moment (:func:`vla_runtime.io.bags.read_episode`). Each c
 nodes run, with the policy node's noise seeding (``seed * 1000003 + call index``), so a replayed
 chunk is the chunk the robot would have got for that observation.
 
+The observation is validated and assembled by the nodes' own boundary code: images through the
+vision node's ``image_from_msg``, joint states by name from *every* joint-state topic of the
+profile (one per arm on ALOHA) into the profile's joint order through the policy node's
+``JointStateAssembler``. A recording is therefore read in whatever order or split the robot
+published it. A joint the profile names but the bag never has, or a message the node would refuse
+(a NaN position, say; live, the node logs it and keeps its last state), is an error naming the
+joint and the topic: a regression check must not pass quietly over inputs the robot could not use.
+A camera whose message type differs from the profile's ``compressed`` flag is replayed with a
+warning, since the vision node, subscribed with the profile's type, would not receive it.
+
 Replay has no plan to predict a state from, so every call is conditioned on the *observed* joint
 state. Chunks and per-call latencies go to an output bag (``vla_runtime/msg/ActionChunk`` and
 ``vla_runtime/msg/PhaseLatency``, stamped at the call's bag time), readable by ``ros2 bag`` and
@@ -38,7 +48,8 @@ from rosbags.typesys.store import Typestore
 
 from ..engine.policy import Observation, Pi05Policy
 from ..engine.timing import PhaseTimer
-from ..io.bags import BAG_FORMAT_VERSION, BagTopics, Episode, Storage, read_episode
+from ..io.bags import (BAG_FORMAT_VERSION, COMPRESSED_IMAGE_TYPE, IMAGE_TYPE, BagTopics, Episode, Storage,
+                       read_episode)
 from ..models.checkpoint import checkpoint_files, infer_config, read_tensor_index
 from ..models.config import Pi05Config
 from ..nodes.profile import RobotProfile, load_profile
@@ -217,15 +228,36 @@ def _json_float(x: float | None) -> float | str | None:
 # --------------------------------------------------------------------------------------------
 
 
-def profile_topics(profile: RobotProfile, log: Callable[[str], None] = print) -> BagTopics:
-    """Bag topics of a profile: its cameras in model order, its first joint-state topic, its
-    instruction topic. The outcome is not needed to replay."""
-    if len(profile.joint_states_topics) > 1:
-        log(f"profile {profile.name!r} has {len(profile.joint_states_topics)} joint-state topics; replay reads "
-            f"only the first, {profile.joint_states_topics[0]}")
-    return BagTopics(cameras={c.name: c.topic for c in profile.cameras},
-                     joint_states=profile.joint_states_topics[0], instruction=profile.instruction_topic,
-                     outcome=None)
+def profile_topics(profile: RobotProfile) -> BagTopics:
+    """Bag topics of a profile: its cameras in model order, all its joint-state topics with its
+    joint names (so the state is assembled by name, as the policy node does), its instruction
+    topic. The outcome is not needed to replay."""
+    return BagTopics(cameras={c.name: c.topic for c in profile.cameras}, joint_states=profile.joint_states_topics,
+                     instruction=profile.instruction_topic, outcome=None, joint_names=profile.joint_names)
+
+
+def camera_type_warnings(path: Path, profile: RobotProfile) -> list[str]:
+    """Cameras whose message type in the bag is not the one the profile declares.
+
+    Replay decodes ``Image`` and ``CompressedImage`` alike, but the vision node subscribes
+    with the type of the profile's ``compressed`` flag and would never receive the other: a
+    replay that passes on such a bag says nothing about the live robot. A warning, not an
+    error, since replaying a raw recording with a compressed profile (or back) is legitimate
+    for checking the model."""
+    reader = _open_reader(path)
+    try:
+        types = {c.topic: c.msgtype for c in reader.connections}
+    finally:
+        reader.close()
+    out = []
+    for cam in profile.cameras:
+        want = COMPRESSED_IMAGE_TYPE if cam.compressed else IMAGE_TYPE
+        got = types.get(cam.topic)
+        if got in (IMAGE_TYPE, COMPRESSED_IMAGE_TYPE) and got != want:
+            out.append(f"camera {cam.name!r}: the bag carries {got} on {cam.topic}, the profile declares {want} "
+                       f"(compressed: {str(cam.compressed).lower()}); replay decodes it, but the vision node "
+                       f"subscribes to {want} and would not receive these images")
+    return out
 
 
 def check_cameras_match_profile(cfg: Pi05Config, profile: RobotProfile, checkpoint: Path) -> None:
@@ -471,7 +503,9 @@ def run_replay(spec: ReplaySpec, log: Callable[[str], None] = print) -> ReplayRe
         raise ValueError(f"no checkpoint: pass --checkpoint or set engine.checkpoint in {spec.profile}")
     checkpoint = Path(checkpoint)
     typestore = runtime_typestore()
-    topics = profile_topics(profile, log)
+    topics = profile_topics(profile)
+    for warning in camera_type_warnings(spec.in_bag, profile):
+        log(f"warning: {warning}")
 
     # The camera count is known from the tensor index alone: check it before loading the weights.
     index, _ = read_tensor_index(checkpoint_files(checkpoint))
