@@ -16,6 +16,21 @@ _WORDS = (
 ).split()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _weights_cache(tmp_path_factory: pytest.TempPathFactory):
+    """Shared fused-weight files go to a per-run folder, never the user's ~/.cache (child
+    processes inherit the variable)."""
+    import os
+
+    old = os.environ.get("VLA_RUNTIME_CACHE")
+    os.environ["VLA_RUNTIME_CACHE"] = str(tmp_path_factory.mktemp("weights_cache"))
+    yield
+    if old is None:
+        os.environ.pop("VLA_RUNTIME_CACHE", None)
+    else:
+        os.environ["VLA_RUNTIME_CACHE"] = old
+
+
 def _prompt_corpus(n: int = 600, seed: int = 0) -> list[str]:
     """Sentences shaped like pi0.5 prompts, so the tiny vocab covers the template."""
     rng = random.Random(seed)

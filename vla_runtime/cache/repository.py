@@ -43,6 +43,8 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
+from ..io.files import fsync_dir
+
 FORMAT_NAME = "vla_runtime.reference_repository"
 FORMAT_VERSION = 1
 INDEX_FILE = "index.json"
@@ -222,20 +224,7 @@ def _atomic_write(path: Path, data: bytes) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # not supported on every platform; the rename is still atomic
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    fsync_dir(path.parent)
 
 
 def _sha256_file(path: Path, chunk: int = 1 << 24) -> str:

@@ -20,6 +20,7 @@ from torch import Tensor
 from ..models.checkpoint import load_checkpoint
 from ..models.normalize import Normalizer, normalizers_from_checkpoint
 from ..models.preprocess import ImagePreprocessor
+from ..models.shared_weights import SharedWeights
 from ..models.tokenizer import PromptTokenizer, build_prompt, discretize_state
 from .dense import DenseEngine, EngineOutput, ModelInputs
 from .timing import PhaseTimes
@@ -58,17 +59,28 @@ class Pi05Policy:
         self.action_norm = action_norm
         self.camera_names = list(camera_names)
         self.checkpoint_hash: str | None = None  # set when built from a checkpoint directory
+        self.shared_weights: SharedWeights | None = None  # set when built with share_weights
         size = cfg.vision.image_size
         self.images = images or ImagePreprocessor(size=(size, size))
 
     @classmethod
     def from_checkpoint(cls, ckpt_dir: str | Path, camera_names: list[str], max_batch: int = 1,
-                        dtype: torch.dtype = torch.float32, device: str = "cpu") -> "Pi05Policy":
-        ck = load_checkpoint(ckpt_dir, dtype=dtype, device=device)
+                        dtype: torch.dtype = torch.float32, device: str = "cpu", share_weights: bool = False,
+                        weights_cache_dir: str | Path | None = None) -> "Pi05Policy":
+        """Build a policy from a checkpoint directory.
+
+        ``share_weights`` (CPU): map the fused weights from a file shared by every process that
+        loads this checkpoint instead of holding a private copy (``models.shared_weights``);
+        the file lives in ``weights_cache_dir`` (default ``$VLA_RUNTIME_CACHE`` or
+        ``~/.cache/vla_runtime/weights``). Actions are bit-identical either way.
+        """
+        ck = load_checkpoint(ckpt_dir, dtype=dtype, device=device, share_weights=share_weights,
+                             cache_dir=weights_cache_dir)
         state_norm, action_norm = normalizers_from_checkpoint(ckpt_dir)
         tok = PromptTokenizer.from_checkpoint_dir(ckpt_dir, max_length=ck.config.max_token_len)
         policy = cls(DenseEngine(ck.model, max_batch=max_batch), tok, state_norm, action_norm, camera_names)
         policy.checkpoint_hash = ck.content_hash
+        policy.shared_weights = ck.shared
         return policy
 
     @property

@@ -15,7 +15,7 @@ import json
 import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 from safetensors import safe_open
@@ -24,6 +24,9 @@ from safetensors.torch import save_file
 from .config import GemmaConfig, Pi05Config, SiglipConfig
 from .gemma import mlp_block
 from .pi05 import Pi05Model
+
+if TYPE_CHECKING:
+    from .shared_weights import SharedWeights
 
 LEROBOT_PREFIX = "model."
 _PWE = "paligemma_with_expert."
@@ -45,6 +48,11 @@ _VARIANTS = {  # Gemma variants named in LeRobot's config.json: (heads, kv heads
 }
 _SIGLIP_HEADS = {1152: 16}
 ARCH_KEY = "vla_runtime_arch"
+# Version of the fused in-memory layout built at load (``layout_groups``' fusions, the derived
+# buffers of ``Pi05Model.refresh_derived``). Shared weight files (``shared_weights``) hold that
+# layout and are keyed by this number: bump it whenever the layout changes, even when the shapes
+# stay the same, so that no process ever maps a file written in an older layout.
+RUNTIME_LAYOUT_VERSION = 1
 
 
 class CheckpointError(ValueError):
@@ -111,6 +119,7 @@ class LoadedCheckpoint:
     path: Path
     layout: str
     files: list[Path] = field(default_factory=list)
+    shared: "SharedWeights | None" = None  # the mapped file when loaded with share_weights
 
 
 # --------------------------------------------------------------------------- layout spec
@@ -355,14 +364,31 @@ def content_hash(files: Iterable[Path], chunk: int = 1 << 24) -> str:
     return "sha256:" + h.hexdigest()
 
 
-def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                    compute_hash: bool = True) -> LoadedCheckpoint:
-    """Load a pi0.5 checkpoint (file or directory) into a ready-to-run ``Pi05Model``."""
-    path = Path(path)
+def read_checkpoint_layout(path: Path) -> tuple[list[Path], dict[str, TensorInfo], str, Pi05Config]:
+    """Files, tensor index, layout and validated architecture of a checkpoint (headers only)."""
     files = checkpoint_files(path)
     index, layout = read_tensor_index(files)
     cfg = infer_config(path, index)
     validate(cfg, index, path)
+    return files, index, layout, cfg
+
+
+def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                    compute_hash: bool = True, *, share_weights: bool = False,
+                    cache_dir: str | Path | None = None) -> LoadedCheckpoint:
+    """Load a pi0.5 checkpoint (file or directory) into a ready-to-run ``Pi05Model``.
+
+    With ``share_weights`` (CPU only) the fused weights are not kept in private memory: they are
+    mapped from a runtime-layout file in ``cache_dir`` that every process loading the same
+    checkpoint maps too (see ``shared_weights.load_shared_checkpoint``; the hash is then always
+    computed, it names the file).
+    """
+    path = Path(path)
+    if share_weights:
+        from .shared_weights import load_shared_checkpoint  # imports this module
+
+        return load_shared_checkpoint(path, dtype=dtype, device=device, cache_dir=cache_dir)
+    files, index, layout, cfg = read_checkpoint_layout(path)
     handles = {f: safe_open(str(f), framework="pt", device="cpu") for f in files}
     state: dict[str, torch.Tensor] = {}
     try:
