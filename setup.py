@@ -23,8 +23,10 @@ setup(
         ("share/vla_runtime", ["package.xml"]),
         ("share/vla_runtime/config", [str(p) for p in sorted((ROOT / "config").glob("*.yaml"))]),
         ("share/vla_runtime/msg", [str(p) for p in sorted((ROOT / "msg").glob("*.msg"))]),
+        ("share/vla_runtime/cuda", [str(p) for p in sorted((ROOT / "cuda").glob("*.cu*"))]),
     ],
     entry_points={"console_scripts": ["vla-runtime = vla_runtime.cli:main",
                                       "vla-vision-node = vla_runtime.nodes.vision_node:main",
-                                      "vla-policy-node = vla_runtime.nodes.policy_node:main"]},
+                                      "vla-policy-node = vla_runtime.nodes.policy_node:main",
+                                      "vla-cache-manager-node = vla_runtime.nodes.cache_manager_node:main"]},
 )

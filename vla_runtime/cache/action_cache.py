@@ -13,9 +13,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .. import kernels
+from ..kernels.fallback import gate_up_rows
 from ..models.config import Pi05Config
 from ..models.gemma import GemmaMLP, Workspace, mlp_block
-from ..models.layers import gelu_tanh_
 from .masks import Groups, validate_groups
 
 
@@ -39,9 +40,7 @@ class ActionCacheBuffers:
 
     def gate_up_rows(self, neurons: Tensor) -> Tensor:
         """Rows of the blocked ``gate_up`` (flattened) holding the gate then the up weights of ``neurons``."""
-        b = self.block
-        gate = (neurons // b) * (2 * b) + neurons % b
-        return torch.cat([gate, gate + b])
+        return gate_up_rows(neurons, self.block)
 
 
 class ActionCache:
@@ -55,6 +54,8 @@ class ActionCache:
         self.masks = masks
         self.group_of = [g for g, (a, b) in enumerate(groups) for _ in range(a, b)]
         self.anchors = {a for a, _ in groups}
+        # Decided once per call: the CUDA kernel reads M's weights in place, so no gather is needed.
+        self.in_place = kernels.would_use_cupy(buffers.y_anchor, "masked_ffn")
 
     def __call__(self, layer: int, step: int, mlp: GemmaMLP, x: Tensor, ws: Workspace) -> Tensor:
         buf = self.buf
@@ -62,11 +63,10 @@ class ActionCache:
             raise ValueError("the Action Cache serves one observation at a time (batch 1)")
         if step in self.anchors:
             return self._anchor(layer, step, mlp, x, ws)
-        k = buf.k
-        gu = torch.mm(x[0], buf.w_gate_up[layer].t(), out=buf.gate_up)
-        h = gelu_tanh_(gu[:, :k]).mul_(gu[:, k:]).sub_(buf.h_anchor[layer])
-        out = ws.mlp_out[0]
-        torch.addmm(buf.y_anchor[layer], h, buf.w_down[layer], out=out)
+        kernels.masked_ffn(x[0], mlp.gate_up, mlp.down_t, self.masks[self.group_of[step], layer],
+                           h_anchor=buf.h_anchor[layer], y_anchor=buf.y_anchor[layer], out=ws.mlp_out[0],
+                           gathered=None if self.in_place else (buf.w_gate_up[layer], buf.w_down[layer]),
+                           work=buf.gate_up)
         return ws.mlp_out
 
     def _anchor(self, layer: int, step: int, mlp: GemmaMLP, x: Tensor, ws: Workspace) -> Tensor:
@@ -75,6 +75,8 @@ class ActionCache:
         neurons = self.masks[self.group_of[step], layer]
         buf.y_anchor[layer].copy_(y[0])
         torch.index_select(buf.act, 1, neurons, out=buf.h_anchor[layer])
+        if self.in_place:
+            return y
         torch.index_select(mlp.gate_up.view(-1, mlp.gate_up.shape[-1]), 0, buf.gate_up_rows(neurons),
                            out=buf.w_gate_up[layer])
         torch.index_select(mlp.down_t, 0, neurons, out=buf.w_down[layer])

@@ -4,7 +4,9 @@ At every VLM layer the current post-norm FFN inputs of the visual tokens are com
 reference's; only the ceil(rho_p * Pv) tokens that drifted most (relative RMS of the difference)
 go through gate/up/activation/down, and their outputs are scattered into a buffer holding the
 reference outputs. Instruction and state tokens are always recomputed, attention stays dense.
-The choice looks at FFN inputs only, so deciding costs no FFN work.
+The choice looks at FFN inputs only, so deciding costs no FFN work. The recompute-and-scatter
+runs through ``vla_runtime.kernels.selected_row_ffn`` (a CUDA kernel with CuPy, else the torch
+fallback: one MLP call over the gathered rows, as before).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ..kernels import selected_row_ffn
 from ..models.gemma import GemmaMLP
 from .entry import PreparedEntry
 
@@ -47,14 +50,11 @@ class ContextCache:
         if x.shape[1] < self.entry.visual_tokens:
             raise ValueError("the Context Cache needs the visual tokens in the prefill (no history window)")
         pv = self.entry.visual_tokens
-        xv, xt = x[0, :pv], x[0, pv:]
         k = min(pv, math.ceil(self.rho_p * pv))
-        idx = token_drift(xv, self.entry.ffn_in[layer]).topk(k, sorted=False).indices
-        rows = torch.cat([xv.index_select(0, idx), xt])
-        y_rows = mlp(rows)
+        idx = token_drift(x[0, :pv], self.entry.ffn_in[layer]).topk(k, sorted=False).indices
+        rows = torch.cat([idx, torch.arange(pv, x.shape[1], dtype=idx.dtype, device=idx.device)])
         out = torch.empty_like(x)
         out[0, :pv] = self.entry.ffn_out[layer]
-        out[0, :pv].index_copy_(0, idx, y_rows[:k])
-        out[0, pv:] = y_rows[k:]
+        selected_row_ffn(x[0], rows, mlp.gate_up, mlp.down_t, out=out[0])
         self.recomputed.append(k)
         return out

@@ -76,8 +76,12 @@ class StressSpec:
     writer_period_s: float = 0.0  # 0: the writer free-runs (maximal contention)
     verify: bool = True
     threads: int = 1
+    backend: str = "cpu"  # "cuda": payload in GPU memory shared by CUDA IPC, readers copy into GPU tensors
+    device: int = 0       # CUDA device of the "cuda" backend
 
     def __post_init__(self) -> None:
+        if self.backend not in ("cpu", "cuda"):
+            raise ValueError(f"backend must be 'cpu' or 'cuda', got {self.backend!r}")
         if self.slots < 1 or self.readers < 1 or self.handoffs_per_reader < 1:
             raise ValueError("slots, readers and handoffs_per_reader must be >= 1")
         if self.writer_period_s < 0:
@@ -89,7 +93,7 @@ class StressSpec:
 def _writer_main(name: str, spec: StressSpec, stop: Any, ready: Any, results: Any) -> None:
     torch.set_num_threads(spec.threads)
     layout = SlotLayout.from_json(spec.layout_json)
-    with RingBuffer.create(name, layout, spec.slots) as ring:
+    with RingBuffer.create(name, layout, spec.slots, backend=spec.backend, device=spec.device) as ring:
         ready.set()
         n, next_t = 0, time.monotonic()
         while not stop.is_set():
@@ -108,7 +112,8 @@ def _writer_main(name: str, spec: StressSpec, stop: Any, ready: Any, results: An
 def _reader_main(name: str, spec: StressSpec, index: int, stop: Any, results: Any) -> None:
     torch.set_num_threads(spec.threads)
     layout = SlotLayout.from_json(spec.layout_json)
-    out = {f.name: torch.empty(f.shape, dtype=f.dtype) for f in layout.fields}
+    device = torch.device("cuda", spec.device) if spec.backend == "cuda" else torch.device("cpu")
+    out = {f.name: torch.empty(f.shape, dtype=f.dtype, device=device) for f in layout.fields}
     lat = np.empty(spec.handoffs_per_reader, dtype=np.int64)
     accepted = torn_accepted = meta_bad = 0
     last = -1
@@ -180,7 +185,8 @@ def run_stress(spec: StressSpec, timeout_s: float = 600.0, name: str | None = No
     per_reader = [{k: v for k, v in g.items() if k not in ("role", "latency_ns")} for g in sorted(got, key=lambda g: g["index"])]
     total = lambda key: int(sum(g[key] for g in got))  # noqa: E731
     return {
-        "slots": spec.slots, "readers": spec.readers, "slot_bytes": SlotLayout.from_json(spec.layout_json).nbytes,
+        "backend": spec.backend, "slots": spec.slots, "readers": spec.readers,
+        "slot_bytes": SlotLayout.from_json(spec.layout_json).nbytes,
         "writer_period_s": spec.writer_period_s, "writer_commits": writer_res["commits"],
         "handoffs": total("accepted"), "torn_accepted": total("torn_accepted"),
         "meta_mismatch": total("meta_mismatch"), "torn_retries": total("torn_retries"),

@@ -1,0 +1,83 @@
+"""The one-shot GPU script in its CPU dry-run mode: runs end to end through the shell wrapper,
+writes the JSON the GPU run writes, and says which checks need a device. Also: with real GPU
+settings on CPU tensors, the kernel comparison reports that no kernel ran instead of a false match."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "test" / "gpu" / "run_gpu_checks.sh"
+KERNELS = {"masked_ffn", "selected_row_ffn", "fused_add_rms_norm", "fused_add_ada_rms_norm"}
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("gpu_checks")
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": ""}
+    env.pop("VLA_RUNTIME_KERNELS", None)
+    proc = subprocess.run(["bash", str(SCRIPT), "--cpu-dry-run", "--out", str(out)], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads((out / "gpu_checks.json").read_text())
+
+
+def test_dry_run_document_says_what_needs_a_device(dry_run):
+    assert dry_run["schema"] == 1 and dry_run["mode"] == "cpu-dry-run" and dry_run["ok"] is True
+    assert dry_run["needs_device"] == ["kernels", "ipc", "latency"]
+    assert set(dry_run["checks"]) == {"environment", "kernels", "ipc", "latency"}
+    assert dry_run["checks"]["environment"]["status"] == "ok"
+    for name in dry_run["needs_device"]:
+        assert dry_run["checks"][name]["status"] == "needs_device", dry_run["checks"][name]
+        assert dry_run["checks"][name]["seconds"] >= 0
+
+
+def test_dry_run_environment_names_the_backend_and_why(dry_run):
+    env = dry_run["checks"]["environment"]["result"]
+    assert env["cuda_available"] is False and env["gpu_name"] is None
+    if env["cupy"] is None:
+        assert env["kernel_backend"] == "torch" and "CuPy is not installed" in env["kernel_backend_reason"]
+    assert env["kernel_backend_reason"]
+
+
+def test_dry_run_runs_every_kernel_fallback(dry_run):
+    cases = dry_run["checks"]["kernels"]["result"]["cases"]
+    assert {c["kernel"] for c in cases} == KERNELS
+    assert all(c["ok"] and c["fallback_finite"] and not c["compared"] and c["ms_torch"] > 0 for c in cases)
+
+
+def test_dry_run_ipc_moves_payloads_between_processes(dry_run):
+    ipc = dry_run["checks"]["ipc"]["result"]
+    host = ipc["host_latency"]
+    assert host["backend"] == "cpu" and host["handoffs"] == 40 and ipc["torn_accepted"] == 0
+    assert set(host["latency_us"]) >= {"median", "p99"}
+
+
+def test_dry_run_latency_has_dense_and_cached_phases(dry_run):
+    lat = dry_run["checks"]["latency"]["result"]
+    assert lat["preset"] == "pi05-tiny" and [c["cameras"] for c in lat["configs"]] == [1, 2]
+    for config in lat["configs"]:
+        for engine in ("dense", "cached_torch"):
+            assert {"vision", "prefill", "denoise", "total"} <= set(config[engine]["median_ms"])
+            assert config[engine]["peak_memory_mb"] > 0
+        assert config["cached_torch"]["referenced"] is True and config["dense"]["referenced"] is False
+        assert config["deviation"]["cached_torch_vs_dense_relative_l2"] < 0.5
+        assert "cached_cupy" not in config
+
+
+def test_comparison_on_cpu_tensors_reports_that_no_kernel_ran():
+    sys.path.insert(0, str(ROOT / "test" / "gpu"))
+    try:
+        import gpu_checks
+    finally:
+        sys.path.pop(0)
+    shape, case = gpu_checks.kernel_cases(gpu_checks.TINY, torch.float32, "cpu")["fused_add_rms_norm"]
+    row = gpu_checks.compare("fused_add_rms_norm", shape, case, "float32", "cpu", dry_run=False, repeats=1)
+    assert row["ok"] is False and row["compared"] is False and "did not run" in row["why"]

@@ -1,0 +1,15 @@
+"""The hand-off harness's backend choice (the CUDA run itself is in test/gpu/gpu_checks.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from vla_runtime.ipc.stress import StressSpec, small_layout
+
+
+def test_stress_spec_takes_the_cpu_or_cuda_backend_only():
+    layout = small_layout(16).to_json()
+    assert StressSpec(layout).backend == "cpu"
+    assert StressSpec(layout, backend="cuda", device=0).backend == "cuda"
+    with pytest.raises(ValueError, match="backend must be 'cpu' or 'cuda'"):
+        StressSpec(layout, backend="rocm")
