@@ -1,4 +1,4 @@
-"""``vla-runtime``: the ROS-free command line (bench, inspect, build-cache, demo-data)."""
+"""``vla-runtime``: the ROS-free command line (run, replay, bench, build-cache, demo-data, inspect)."""
 
 from __future__ import annotations
 
@@ -122,6 +122,21 @@ def _replay(args: argparse.Namespace) -> int:
     return replay_main(spec, log=_log)
 
 
+def _run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .tools.bench import write_json
+    from .tools.run import RunSpec, run_pipeline
+
+    spec = RunSpec(episode=Path(args.episode), profile=Path(args.profile),
+                   checkpoint=Path(args.checkpoint) if args.checkpoint else None, processes=args.processes,
+                   cache={"on": True, "off": False, "profile": None}[args.cache],
+                   repository=Path(args.repository) if args.repository else None, call_period=args.call_period,
+                   seed=args.seed, threads=args.threads)
+    write_json(run_pipeline(spec, log=_log), args.out)
+    return 0
+
+
 def _inspect(args: argparse.Namespace) -> int:
     from .models.checkpoint import checkpoint_files, content_hash, infer_config, read_tensor_index, validate
     from pathlib import Path
@@ -238,6 +253,22 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--golden", default=None, help="regression mode: compare the chunks with this bag's (exit 2 on drift)")
     rp.add_argument("--tolerance", type=float, default=1e-4, help="with --golden: max abs action difference")
     rp.set_defaults(func=_replay)
+
+    rn = sub.add_parser("run", help="the vision, cache-manager and policy stages without ROS (3 processes or 1) "
+                                    "over a recorded episode bag: per-call source, reference and latency (JSON)")
+    rn.add_argument("episode", help="episode bag (rosbag2 directory) that plays the robot")
+    rn.add_argument("--profile", default="config/sim.yaml", help="robot profile YAML: topics, joints, checkpoint, cache")
+    rn.add_argument("--checkpoint", default=None, help="checkpoint directory (default: the profile's engine.checkpoint)")
+    rn.add_argument("--processes", type=int, default=3, choices=[1, 3],
+                    help="3: one OS process per stage, as the nodes run (default); 1: all stages in this process")
+    rn.add_argument("--cache", default="profile", choices=["on", "off", "profile"],
+                    help="muscle-memory cache: on, off, or as the profile says (default)")
+    rn.add_argument("--repository", default=None, help="reference repository (overrides the profile's; turns the cache on)")
+    rn.add_argument("--call-period", dest="call_period", type=float, default=0.5, help="seconds of bag time between calls")
+    rn.add_argument("--seed", type=int, default=0, help="noise seed: call n uses seed * 1000003 + n, like the policy node")
+    rn.add_argument("--threads", type=int, default=None, help="torch threads per process")
+    rn.add_argument("--out", default=None, help="also write the JSON here")
+    rn.set_defaults(func=_run)
 
     i = sub.add_parser("inspect", help="validate a checkpoint and print its architecture")
     i.add_argument("checkpoint")

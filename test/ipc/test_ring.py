@@ -193,6 +193,26 @@ def test_writer_contract_is_enforced(name):
         RingBuffer(name=name, layout=LAYOUT, shm=None, owner=True, read_retries=1)
 
 
+def test_writer_can_pick_the_slot_and_readers_can_adopt_the_layout(name):
+    with RingBuffer.create(name, LAYOUT, slots=3) as ring:
+        with ring.begin_write(slot=2) as w:
+            stamp_payload(w.tensors, 5)
+            assert w.commit({"k": 1}) == (2, 0)
+        with ring.begin_write(slot=2) as w:   # the same slot again: the sequence still grows
+            stamp_payload(w.tensors, 6)
+            assert w.commit() == (2, 1)
+        with pytest.raises(ValueError, match="slot must be in"):
+            ring.begin_write(slot=3)
+        layout = RingBuffer.peek_layout(name)
+        assert layout == LAYOUT
+        with RingBuffer.attach(name, layout) as reader:
+            out = _out()
+            assert reader.read(2, 0, out) is None          # replaced by sequence 1
+            assert reader.read(2, 1, out) is not None and payload_matches(out, 6)
+    with pytest.raises(RingNotFoundError):
+        RingBuffer.peek_layout(name)
+
+
 def test_close_is_idempotent_and_unlinks(name):
     writer = RingBuffer.create(name, LAYOUT, slots=2)
     reader = RingBuffer.attach(name, LAYOUT)

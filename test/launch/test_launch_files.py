@@ -16,13 +16,19 @@ from vla_runtime.nodes.profile import load_profile
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = sorted((ROOT / "launch").glob("*.launch.py"))
 NODE_SOURCES = {"vision_node": ROOT / "vla_runtime/nodes/vision_node.py",
-                "policy_node": ROOT / "vla_runtime/nodes/policy_node.py"}
+                "policy_node": ROOT / "vla_runtime/nodes/policy_node.py",
+                "cache_manager_node": ROOT / "vla_runtime/nodes/cache_manager_node.py"}
 
 
 def _declared_parameters(source: Path) -> set[str]:
-    """Names passed to declare_parameter (directly or through the nodes' small `p(...)` helper)."""
-    text = source.read_text()
-    return set(re.findall(r'\bp\("([a-z_]+)"', text)) | set(re.findall(r'declare_parameter\("([a-z_]+)"', text))
+    """The keys of the node module's ``PARAMETERS`` table (every one is declared with its
+    description by ``params.declare_parameters``), read without importing rclpy."""
+    tree = ast.parse(source.read_text())
+    tables = [n.value for n in tree.body if isinstance(n, ast.Assign)
+              and any(getattr(t, "id", "") == "PARAMETERS" for t in n.targets)]
+    assert len(tables) == 1 and isinstance(tables[0], ast.Dict), f"{source.name} needs one PARAMETERS dict"
+    assert "declare_parameters(self, PARAMETERS)" in source.read_text(), f"{source.name} must declare its table"
+    return {ast.literal_eval(k) for k in tables[0].keys}
 
 
 def _nodes_and_params(path: Path) -> tuple[list[str], set[str], str]:
@@ -39,7 +45,7 @@ def _nodes_and_params(path: Path) -> tuple[list[str], set[str], str]:
 def test_launch_file_refers_only_to_what_exists(path: Path):
     cmake = (ROOT / "CMakeLists.txt").read_text()
     executables, params, profile = _nodes_and_params(path)
-    assert set(executables) == {"vision_node", "policy_node"}
+    assert set(executables) == set(NODE_SOURCES)
     for exe in executables:
         assert (ROOT / "scripts" / exe).is_file(), exe
         assert f"scripts/{exe}" in cmake, f"{exe} is not installed by CMakeLists.txt"

@@ -35,6 +35,10 @@ def _sim() -> dict:
     (lambda d: d["output"].update(kind="ros1"), "output.kind"),
     (lambda d: d.update(arm_slices=[[0, 9]]), "arm_slices"),
     (lambda d: d["engine"].update(dtype="int8"), "engine.dtype"),
+    (lambda d: d.update(cache={"reference_timeout_s": 0}), "cache.reference_timeout_s"),
+    (lambda d: d["output"].update(joint_slices=[[0, 9]]), "output.joint_slices"),
+    (lambda d: d["output"].update(single_topics=["/gripper"], single_names=["gripper"], single_joints=[6]),
+     "interbotix_joint_group output only"),
 ])
 def test_mistakes_are_refused_by_name(edit, message):
     d = _sim()
@@ -49,3 +53,28 @@ def test_missing_and_broken_files(tmp_path):
     (tmp_path / "bad.yaml").write_text("name: [unclosed")
     with pytest.raises(ProfileError, match="not valid YAML"):
         load_profile(tmp_path / "bad.yaml")
+
+
+def test_aloha_grippers_take_single_joint_commands():
+    from vla_runtime.nodes.adapters import group_commands, single_commands
+
+    p = load_profile(CONFIG / "aloha.yaml")
+    action = [float(i) for i in range(14)]
+    groups = group_commands(p.output, action)
+    assert [(c.topic_index, c.name, c.values) for c in groups] == [(0, "arm", (0.0, 1.0, 2.0, 3.0, 4.0, 5.0)),
+                                                                   (1, "arm", (7.0, 8.0, 9.0, 10.0, 11.0, 12.0))]
+    singles = single_commands(p.output, action)
+    assert [(c.topic_index, c.name, c.values) for c in singles] == [(0, "gripper", (6.0,)), (1, "gripper", (13.0,))]
+    d = yaml.safe_load((CONFIG / "aloha.yaml").read_text())
+    d["output"]["single_joints"] = [6, 14]
+    with pytest.raises(ProfileError, match="output.single_joints"):
+        profile_from_dict(d, "aloha")
+    d["output"]["single_joints"] = [6]
+    with pytest.raises(ProfileError, match="one joint name and one action index per single topic"):
+        profile_from_dict(d, "aloha")
+
+
+def test_sim_profile_names_the_joints_the_demo_robot_records():
+    from vla_runtime.sim.scenes import joint_names
+
+    assert load_profile(CONFIG / "sim.yaml").joint_names == joint_names(1)

@@ -2,10 +2,11 @@
 
     python pipeline_peers.py run SPEC_JSON
 
-starts the real vision and policy node processes and a test robot process, waits (bounded) for
-the robot to receive the first ActionChunk, stops everything and prints the robot's JSON report.
+starts the real vision, policy and cache manager node processes and a test robot process, waits
+(bounded) for the robot to receive the first ActionChunk and every node's diagnostics, stops
+everything and prints the robot's JSON report.
 SPEC_JSON: {"profile": path, "images": {camera: [[...]] uint8 HxWx3 lists}, "state": [...],
-"task": str, "joint_names": [...], "cameras": {camera: topic}, "timeout": s}.
+"task": str, "joint_names": [...], "cameras": {camera: topic}, "timeout": s, "rings": suffix}.
 """
 
 from __future__ import annotations
@@ -35,9 +36,15 @@ def robot(spec: dict) -> int:
     got: dict = {}
     node.create_subscription(ActionChunk, "/vla_runtime/action_chunk",
                              lambda m: got.setdefault("chunk", {"call_id": m.call_id, "shape": [m.chunk_length, m.action_dim],
-                                                                "actions": list(m.actions)}), 10)
+                                                                "actions": list(m.actions), "source": m.source}), 10)
+    diagnostics: dict = got.setdefault("diagnostics", {})
     node.create_subscription(DiagnosticArray, "/diagnostics",
-                             lambda m: got.setdefault("diagnostics", {kv.key: kv.value for kv in m.status[0].values}), 10)
+                             lambda m: diagnostics.setdefault(m.status[0].name, {kv.key: kv.value for kv in m.status[0].values}),
+                             10)
+    wanted = {f"vla_runtime: {n}" for n in ("policy", "vision", "cache manager")}
+
+    def done() -> bool:
+        return "chunk" in got and wanted <= set(diagnostics)
     pubs = {c: node.create_publisher(Image, t, 10) for c, t in spec["cameras"].items()}
     joints = node.create_publisher(JointState, "/joint_states", 10)
     task = node.create_publisher(String, "/instruction", 10)
@@ -54,20 +61,23 @@ def robot(spec: dict) -> int:
 
     node.create_timer(0.05, publish)
     deadline = time.monotonic() + spec["timeout"]
-    while not ("chunk" in got and "diagnostics" in got) and time.monotonic() < deadline:
+    while not done() and time.monotonic() < deadline:
         rclpy.spin_once(node, timeout_sec=0.1)
     print(json.dumps(got))
     node.destroy_node()
     rclpy.shutdown()
-    return 0 if "chunk" in got and "diagnostics" in got else 2
+    return 0 if done() else 2
 
 
 def run(spec: dict) -> int:
     assert_only_loopback()
-    args = ["--ros-args", "-p", f"profile:={spec['profile']}"]
-    nodes = [subprocess.Popen([sys.executable, "-m", f"vla_runtime.nodes.{n}", *args],
+    sfx = spec["rings"]
+    args = ["--ros-args", "-p", f"profile:={spec['profile']}", "-p", f"working_set:=refs_{sfx}"]
+    extra = {"vision_node": ["-p", f"ring:=prefix_{sfx}", "-p", f"query_ring:=query_{sfx}"],
+             "cache_manager_node": ["-p", f"query_ring:=query_{sfx}"], "policy_node": ["-p", "request_timeout_s:=20.0"]}
+    nodes = [subprocess.Popen([sys.executable, "-m", f"vla_runtime.nodes.{n}", *args, *extra[n]],
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-             for n in ("vision_node", "policy_node")]
+             for n in ("cache_manager_node", "vision_node", "policy_node")]
     try:
         rob = subprocess.run([sys.executable, __file__, "robot", json.dumps(spec)], capture_output=True, text=True,
                              timeout=spec["timeout"] + 30)

@@ -1,10 +1,12 @@
-"""The real vision and policy node processes (rclpy, shared-memory ring buffer) against a test
-robot process publishing a frame of a committed episode bag, in a private network namespace: the
-chunk they publish equals the in-process engine's for the same observation, state and noise."""
+"""The real vision, policy and cache manager node processes (rclpy, shared-memory rings) against a
+test robot process publishing a frame of a committed episode bag, in a private network namespace:
+the chunk they publish equals the in-process cached engine's (Context and Action Cache, reference
+chosen by the cache manager) for the same observation, state and noise."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,10 +16,16 @@ import pytest
 import torch
 import yaml
 
+
+from vla_runtime.cache.builder import BuildConfig, build_repository
+from vla_runtime.cache.manager import CacheManager, ManagerConfig
+from vla_runtime.cache.repository import ReferenceRepository
+from vla_runtime.cache.retrieval import RetrievalConfig
+from vla_runtime.engine.cached import CacheConfig, CachedEngine
 from vla_runtime.engine.policy import Observation, Pi05Policy
-from vla_runtime.io.bags import BagTopics, read_episode
+from vla_runtime.io.bags import BagTopics, list_episode_bags, read_episode
 from vla_runtime.testing.netns import ros_env, run_in_private_netns
-from vla_runtime.tools.demo import DemoSpec, make_demo
+from vla_runtime.tools.demo import DemoSpec, demo_topics, make_demo
 
 ROOT = Path(__file__).resolve().parents[2]
 INSTALL = ROOT / "install"
@@ -27,11 +35,17 @@ PEERS = Path(__file__).with_name("pipeline_peers.py")
 def test_nodes_publish_the_engines_chunk(tmp_path: Path) -> None:
     if not (INSTALL / "setup.bash").is_file():
         pytest.fail(f"{INSTALL}/setup.bash missing: build the ROS 2 side first with `make ros`")
-    demo = make_demo(tmp_path / "demo", DemoSpec(preset="pi05-tiny", episodes=2, held_out=1, steps_per_episode=20),
+    demo = make_demo(tmp_path / "demo", DemoSpec(preset="pi05-tiny", episodes=3, held_out=1, steps_per_episode=20),
                      log=lambda m: None)
+    cams = ["top", "wrist"]
+    builder = Pi05Policy.from_checkpoint(demo["checkpoint"], camera_names=cams)
+    build_repository(builder, builder.checkpoint_hash, list_episode_bags(demo["references"]), tmp_path / "repo",
+                     demo_topics(tuple(cams)), call_period=0.5, cfg=BuildConfig(rho_n=0.5), log=lambda m: None)
     profile = yaml.safe_load((ROOT / "config" / "sim.yaml").read_text())
     profile["engine"]["checkpoint"] = demo["checkpoint"]
     profile["control_hz"] = 20.0
+    # generous: on 2 busy cores the cache manager's first answer includes preparing the window
+    profile["cache"] = {"enabled": True, "repository": str(tmp_path / "repo"), "reference_timeout_s": 15.0}
     (tmp_path / "profile.yaml").write_text(yaml.safe_dump(profile))
     # The robot publishes a frame of the small episode bag committed under test/data (decoded to
     # raw images, as the profile's camera topics carry sensor_msgs/Image).
@@ -43,24 +57,39 @@ def test_nodes_publish_the_engines_chunk(tmp_path: Path) -> None:
     task = episode.task
     spec = {"profile": str(tmp_path / "profile.yaml"), "images": {c: v.tolist() for c, v in images.items()},
             "state": state.tolist(), "task": task, "joint_names": profile["joint_names"],
-            "cameras": {c: v["topic"] for c, v in profile["cameras"].items()}, "timeout": 90}
+            "cameras": {c: v["topic"] for c, v in profile["cameras"].items()}, "timeout": 120,
+            "rings": f"t{os.getpid()}"}
     try:
         out = run_in_private_netns([sys.executable, str(PEERS), "run", json.dumps(spec)], env=ros_env(INSTALL),
-                                   timeout=180, cwd=tmp_path)
+                                   timeout=240, cwd=tmp_path)
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"pipeline timed out; stderr:\n{exc.stderr}")
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout.strip().splitlines()[-1])
-    assert float(report["diagnostics"]["call_latency_s"]) > 0 and int(report["diagnostics"]["calls"]) >= 1
+    diag = report["diagnostics"]
+    assert float(diag["vla_runtime: policy"]["call_latency_s"]) > 0 and int(diag["vla_runtime: policy"]["calls"]) >= 1
+    assert float(diag["vla_runtime: vision"]["vision_s"]) > 0 and diag["vla_runtime: vision"]["reference"]
+    assert int(diag["vla_runtime: cache manager"]["hits"]) >= 1
     got = report["chunk"]
+    assert got["source"] == "cached"
     # The first chunk's call: call 0, or a later one when an early request went unanswered (sent
     # before the vision node was up) and was asked again. No chunk was merged before it, so its
-    # prompt state is the observed state; its noise is seeded by its call id.
+    # prompt state is the observed state; its noise is seeded by its call id. The cache manager
+    # saw one query in this episode (unanswered requests never reached it).
     call_id = got["call_id"]
     assert call_id <= 5
 
-    policy = Pi05Policy.from_checkpoint(demo["checkpoint"], camera_names=["top", "wrist"])
-    expected = policy.predict(Observation(images=images, state=state, task=task),
-                              generator=torch.Generator().manual_seed(call_id)).actions
+    policy = Pi05Policy.from_checkpoint(demo["checkpoint"], camera_names=cams)
+    repo = ReferenceRepository.open(tmp_path / "repo")
+    manager = CacheManager(policy.engine.model, repo, ManagerConfig(RetrievalConfig(history_len=repo.meta.history_len)))
+    engine = CachedEngine(policy.engine.model, CacheConfig(rho_p=0.4, rho_n=repo.meta.rho_n,
+                                                           groups=tuple(tuple(g) for g in repo.meta.mask_groups)))
+    manager.start_episode(task)
+    manager.observe_state(torch.as_tensor(state))
+    inputs = policy.prepare(Observation(images=images, state=state, task=task))
+    noise = policy.engine.make_noise(1, torch.Generator().manual_seed(call_id))
+    result = engine.infer(inputs, noise=noise, select=manager.select)
+    assert result.reference is not None
+    expected = policy.action_norm.unnormalize(result.actions[0]).numpy()
     assert got["shape"] == list(expected.shape)
     np.testing.assert_allclose(np.asarray(got["actions"]).reshape(expected.shape), expected, rtol=1e-4, atol=1e-4)

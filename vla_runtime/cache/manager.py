@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -54,7 +56,11 @@ def model_images_to_stored(images: Tensor) -> Tensor:
 class CacheManager:
     """Owns the prepared entries of one model; its ``select`` is the engine's ReferenceSelector."""
 
-    def __init__(self, model: Pi05Model, repository: ReferenceRepository, cfg: ManagerConfig = ManagerConfig()):
+    def __init__(self, model: Pi05Model, repository: ReferenceRepository, cfg: ManagerConfig = ManagerConfig(),
+                 entries: MutableMapping[EntryKey, Any] | None = None):
+        """``entries`` is where prepared entries live: a dict in one process, or a store that writes
+        them into shared memory for other processes (``nodes.working_set.SharedEntryStore``), whose
+        values are then handles with ``nbytes()`` rather than tensors."""
         self.model = model
         self.repo = repository
         self.cfg = cfg
@@ -71,7 +77,7 @@ class CacheManager:
         self.retriever = Retriever(cfg.retrieval, self, on_stall=self._on_stall)
         self.stalls: list[Match] = []
         self.window = SlidingWindow(cfg.window)
-        self.entries: dict[EntryKey, PreparedEntry] = {}
+        self.entries: MutableMapping[EntryKey, Any] = {} if entries is None else entries
         self.task: str | None = None
         self.history: list[Tensor] = []
         self.last_match: Match | None = None
@@ -80,7 +86,8 @@ class CacheManager:
 
     @classmethod
     def open(cls, model: Pi05Model, root, checkpoint_hash: str, cfg: ManagerConfig = ManagerConfig(),
-             expect_model: dict | None = None) -> "CacheManager | None":
+             expect_model: dict | None = None,
+             entries: MutableMapping[EntryKey, Any] | None = None) -> "CacheManager | None":
         """The manager for a repository, or None (run dense) when the repository is refused.
 
         A damaged, mismatched or empty repository must never stop the robot: the reason is
@@ -88,7 +95,7 @@ class CacheManager:
         """
         try:
             repo = ReferenceRepository.open(root, expect_checkpoint_hash=checkpoint_hash, expect_model=expect_model)
-            return cls(model, repo, cfg)
+            return cls(model, repo, cfg, entries)
         except (RepositoryError, ValueError, OSError) as e:
             log.warning("muscle-memory cache disabled, running dense: %s", e)
             return None
@@ -115,7 +122,8 @@ class CacheManager:
 
     def observe_state(self, state: Tensor) -> None:
         """The robot state at the coming call (joint-history rerank)."""
-        state = torch.as_tensor(state, dtype=torch.float32).reshape(-1)
+        # a copy: callers pass views of buffers they reuse (the query ring's), the history must not follow them
+        state = torch.as_tensor(state, dtype=torch.float32).reshape(-1).clone()
         if state.numel() != self.state_dim:
             raise ValueError(f"state has {state.numel()} values, the repository's {self.state_dim}")
         self.history.append(state)
@@ -129,7 +137,7 @@ class CacheManager:
         return torch.stack([h[0]] * (n - len(h)) + h)
 
     # ------------------------------------------------------------ per call
-    def select(self, features: Tensor, inputs=None) -> PreparedEntry | None:
+    def select(self, features: Tensor, inputs=None) -> Any:
         """Reference for this call from its retrieval features (the engine's ReferenceSelector)."""
         if self.task is None:
             return None

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from ..cache.action_cache import ActionCache, ActionCacheBuffers
 from ..cache.context_cache import ContextCache
@@ -39,6 +40,12 @@ class CacheConfig:
         return min(mlp_dim, math.ceil(self.rho_n * mlp_dim))
 
 
+def same_camera_layout(entry: PreparedEntry, image_mask: Tensor) -> bool:
+    """A reference serves the Context Cache only with the call's camera layout (batch of one)."""
+    mask = image_mask[0] if image_mask.ndim == 2 else image_mask
+    return mask.shape[0] == entry.image_mask.shape[0] and bool(torch.equal(mask.cpu(), entry.image_mask.cpu()))
+
+
 class CachedEngine(DenseEngine):
     def __init__(self, model: Pi05Model, cache: CacheConfig = CacheConfig(), **kwargs):
         super().__init__(model, max_batch=1, tap_retrieval_features=True, **kwargs)
@@ -48,9 +55,7 @@ class CachedEngine(DenseEngine):
         self.last_context: ContextCache | None = None
 
     def usable(self, entry: PreparedEntry, inputs: ModelInputs) -> bool:
-        """A reference serves the Context Cache only with the same camera layout."""
-        return inputs.image_mask.shape[1] == entry.image_mask.shape[0] and bool(
-            torch.equal(inputs.image_mask[0].cpu(), entry.image_mask.cpu()))
+        return same_camera_layout(entry, inputs.image_mask)
 
     def _prefill_ffn(self, reference: object | None, inputs: ModelInputs) -> PrefillFFN | None:
         self.last_context = None

@@ -414,6 +414,27 @@ class RingBuffer:
             raise
 
     @staticmethod
+    def peek_layout(name: str) -> SlotLayout:
+        """The layout a ring's writer created it with, for a reader that adopts it (the working set's
+        shapes depend on the repository the cache manager opened, which other nodes do not read)."""
+        try:
+            shm = _open_attached(name)
+        except FileNotFoundError:
+            raise RingNotFoundError(f"ring {name!r} does not exist") from None
+        try:
+            if shm.size < C.GLOBAL_BYTES or bytes(shm.buf[0:8]) != C.MAGIC:
+                raise RingBufferError(f"ring {name!r} is not an initialised vla_runtime ring (bad magic)")
+            w = np.ndarray((C.GLOBAL_BYTES // 8,), dtype=np.int64, buffer=shm.buf)
+            json_len = int(w[C.W_LAYOUT_LEN])
+            del w
+            try:
+                return SlotLayout.from_json(bytes(shm.buf[C.LAYOUT_OFFSET:C.LAYOUT_OFFSET + json_len]).decode())
+            except (ValueError, KeyError, TypeError) as e:
+                raise RingBufferError(f"ring {name!r}: the writer's layout description is unreadable ({e})") from None
+        finally:
+            shm.close()
+
+    @staticmethod
     def _check_compatible(name: str, shm: SharedMemory, layout: SlotLayout) -> None:
         w = np.ndarray((C.GLOBAL_BYTES // 8,), dtype=np.int64, buffer=shm.buf)
         version, json_len = int(w[C.W_VERSION]), int(w[C.W_LAYOUT_LEN])
@@ -449,9 +470,15 @@ class RingBuffer:
     def _hword(self, slot: int, field: int) -> int:
         return self._hw + slot * (C.SLOT_HEADER // 8) + field
 
-    def begin_write(self) -> SlotWriter:
-        """Open the next slot (round robin) for writing; never waits for readers."""
+    def begin_write(self, slot: int | None = None) -> SlotWriter:
+        """Open the next slot (round robin) for writing; never waits for readers.
+
+        ``slot`` picks the slot instead, for a writer that keeps long-lived payloads (the cache
+        manager's working set replaces entries, not the oldest slot); sequences still grow by one.
+        """
         self._check_open()
+        if slot is not None and not 0 <= slot < self.slots:
+            raise ValueError(f"slot must be in [0, {self.slots}), got {slot}")
         if not self.is_owner:
             raise RingBufferError(f"ring {self.name!r} was attached, not created, by this process: only its "
                                   f"creator writes")
@@ -459,7 +486,7 @@ class RingBuffer:
             raise RingBufferError(f"slot {self._pending.slot} (sequence {self._pending.seq}) is still open: "
                                   f"commit or abort it before the next begin_write")
         seq = self._next_seq
-        wr = self._writers[seq % self.slots]
+        wr = self._writers[seq % self.slots if slot is None else slot]
         lock = self._hword(wr.slot, C.H_SEQLOCK)
         self._w[lock] = int(self._w[lock]) + 1  # odd: being written
         self._fence()

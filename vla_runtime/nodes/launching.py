@@ -1,4 +1,4 @@
-"""What every launch file starts: the vision and policy nodes with one robot profile.
+"""What every launch file starts: the vision, policy and cache manager nodes with one robot profile.
 
 The launch files in launch/ only name their profile and call ``describe``, so the robots
 cannot drift apart; CI checks the executables and parameter names used here statically
@@ -7,7 +7,7 @@ cannot drift apart; CI checks the executables and parameter names used here stat
 
 from __future__ import annotations
 
-NODES = (("vision_node", "vla_vision"), ("policy_node", "vla_policy"))
+NODES = (("vision_node", "vla_vision"), ("policy_node", "vla_policy"), ("cache_manager_node", "vla_cache_manager"))
 PARAMETERS = ("profile", "checkpoint")
 
 

@@ -14,10 +14,8 @@ import threading
 import time
 
 import numpy as np
-import torch
 from builtin_interfaces.msg import Duration, Time
-from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
-from rcl_interfaces.msg import ParameterDescriptor
+from diagnostic_msgs.msg import DiagnosticArray
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 from rclpy.node import Node
 from sensor_msgs.msg import JointState
@@ -27,43 +25,43 @@ from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
 from vla_runtime.msg import ActionChunk, PrefixRequest, SlotReady
 
 from ..engine.controller import ControllerConfig, StreamingController
-from ..engine.policy import Pi05Policy
 from ..engine.safety import JointLimits
-from ..ipc.ring import RingBuffer
+from ..ipc.ring import RingBufferError
+from .adapters import group_commands, single_commands
 from .conversions import InputError, JointStateAssembler, chunk_to_trajectory
-from .prefix_ring import DEFAULT_RING, READY_TOPIC, REQUEST_TOPIC, prefix_layout
-from .profile import load_profile
+from .diagnostics import DIAGNOSTICS_TOPIC, diagnostic_array
+from .params import declare_parameters, profile_and_checkpoint, ring_names
+from .prefix_ring import READY_TOPIC, REQUEST_TOPIC
 from .spin import run
-from .workers import PolicyWorker, PrefixMeta, PrefixSlotSpec
+from .stages import PolicyStage, SlotNote, cache_config, load_policy, open_repository_meta
 
-META_KEYS = ("length", "valid_len", "cameras", "state_dim", "observation_seq", "stamp_ns")
+PARAMETERS = {
+    "profile": ("", "robot profile YAML (config/<robot>.yaml)"),
+    "checkpoint": ("", "checkpoint directory; overrides the profile's engine.checkpoint"),
+    "working_set": ("vla_refs", "name of the cache manager's working-set ring buffer (Action Cache masks)"),
+    "seed": (0, "noise seed: call n uses seed * 1000003 + n (reproducible chunks); >= 0"),
+    "request_timeout_s": (2.0, "a prefix request unanswered this long is abandoned and asked again "
+                               "(lost message, vision node restarting); in (0, 600]"),
+}
 
 
 class PolicyNode(Node):
     def __init__(self) -> None:
         super().__init__("vla_policy")
-        p = lambda name, default, text: self.declare_parameter(name, default, ParameterDescriptor(description=text))  # noqa: E731
-        p("profile", "", "robot profile YAML (config/<robot>.yaml)")
-        p("checkpoint", "", "checkpoint directory; overrides the profile's engine.checkpoint")
-        p("ring", DEFAULT_RING, "name of the prefix ring buffer created by the vision node")
-        p("seed", 0, "noise seed: call n uses seed * 1000003 + n (reproducible chunks)")
-        p("request_timeout_s", 2.0, "a prefix request unanswered this long is abandoned and asked again "
-                                    "(lost message, vision node restarting)")
-        self.profile = prof = load_profile(self.get_parameter("profile").value)
-        ckpt = self.get_parameter("checkpoint").value or prof.engine.checkpoint
-        if not ckpt:
-            raise ValueError("no checkpoint: set the 'checkpoint' parameter or engine.checkpoint in the profile")
-        self.seed = int(self.get_parameter("seed").value)
-        self.request_timeout_s = float(self.get_parameter("request_timeout_s").value)
-        if not self.request_timeout_s > 0:
-            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
-        policy = Pi05Policy.from_checkpoint(ckpt, camera_names=[c.name for c in prof.cameras])
+        v = declare_parameters(self, PARAMETERS)
+        self.profile, ckpt = profile_and_checkpoint(v)
+        prof = self.profile
+        if v["seed"] < 0:
+            raise ValueError(f"seed must be >= 0, got {v['seed']}")
+        self.request_timeout_s = float(v["request_timeout_s"])
+        if not 0 < self.request_timeout_s <= 600:
+            raise ValueError(f"request_timeout_s must be in (0, 600] s, got {self.request_timeout_s}")
+        policy = load_policy(ckpt, self.profile.engine, [c.name for c in self.profile.cameras])
         if policy.action_norm.dim != prof.state_dim:
             raise ValueError(f"checkpoint actions have {policy.action_norm.dim} dims, profile {prof.name!r} "
                              f"has {prof.state_dim} joints")
-        self.worker = PolicyWorker(policy)
-        self.layout = prefix_layout(PrefixSlotSpec.for_config(policy.engine.cfg, policy.engine.dtype))
-        self.slot_buf = {f.name: torch.zeros(f.shape, dtype=f.dtype) for f in self.layout.fields}
+        cc = cache_config(prof.cache, open_repository_meta(prof.cache, policy))
+        self.stage = PolicyStage(policy, ring_names(v), cc, int(v["seed"]))
         s = prof.streaming
         self.controller = StreamingController(
             ControllerConfig(control_hz=prof.control_hz, chunk_size=policy.engine.cfg.chunk_size,
@@ -74,35 +72,37 @@ class PolicyNode(Node):
                         None if prof.max_velocity is None else np.asarray(prof.max_velocity)))
         self.joints = JointStateAssembler(prof.joint_names)
         self.task: str | None = None
-        self.ring: RingBuffer | None = None
         self.lock = threading.Lock()
         self.t0_ns: int | None = None
         self.tick = -1
         self.requested_at: dict[int, float] = {}
+        self.request_timeouts = 0
+        self.cached_calls = 0
         for topic in prof.joint_states_topics:
             self.create_subscription(JointState, topic, self._on_joints, 10)
         self.create_subscription(String, prof.instruction_topic, self._on_instruction, 10)
         self.request_pub = self.create_publisher(PrefixRequest, REQUEST_TOPIC, 10)
         self.chunk_pub = self.create_publisher(ActionChunk, "/vla_runtime/action_chunk", 10)
-        self.diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
-        self.request_timeouts = 0
-        self.group_cmd = None
+        self.diag_pub = self.create_publisher(DiagnosticArray, DIAGNOSTICS_TOPIC, 10)
+        self.group_cmd = self.single_cmd = None
+        self.traj_pubs, self.group_pubs, self.single_pubs = [], [], []
         if prof.output.kind == "interbotix_joint_group":
             try:
-                from interbotix_xs_msgs.msg import JointGroupCommand
+                from interbotix_xs_msgs.msg import JointGroupCommand, JointSingleCommand
             except ImportError:
                 raise ValueError(f"profile {prof.name!r}: output.kind interbotix_joint_group needs the "
                                  "interbotix_xs_msgs package (the Interbotix ROS 2 workspace); source it, or set "
                                  "output.kind: joint_trajectory with a trajectory controller topic") from None
-            self.group_cmd = JointGroupCommand
+            self.group_cmd, self.single_cmd = JointGroupCommand, JointSingleCommand
             self.group_pubs = [self.create_publisher(JointGroupCommand, t, 10) for t in prof.output.topics]
-            self.traj_pubs = []
+            self.single_pubs = [self.create_publisher(JointSingleCommand, t, 10) for t in prof.output.single_topics]
         else:
             self.traj_pubs = [self.create_publisher(JointTrajectory, t, 10) for t in prof.output.topics]
         self.create_subscription(SlotReady, READY_TOPIC, self._on_slot, 10,
                                  callback_group=MutuallyExclusiveCallbackGroup())
         self.create_timer(1.0 / prof.control_hz, self._on_tick, callback_group=MutuallyExclusiveCallbackGroup())
-        self.get_logger().info(f"policy node up: profile {prof.name}, {prof.control_hz} Hz, checkpoint {ckpt}")
+        self.get_logger().info(f"policy node up: profile {prof.name}, {prof.control_hz} Hz, checkpoint {ckpt}, "
+                               f"action cache {'on' if cc is not None else 'off'}")
 
     # ------------------------------------------------------------ inputs (validated here)
     def _on_joints(self, msg: JointState) -> None:
@@ -139,10 +139,11 @@ class PolicyNode(Node):
             except (ValueError, RuntimeError) as e:  # never let one bad tick stop the control loop
                 self.get_logger().error(f"tick {tick}: {e}", throttle_duration_sec=1.0)
                 return
-        if self.group_cmd is not None:   # Interbotix arms take one command per control tick, per group
-            slices = self.profile.output.joint_slices or ((0, self.profile.state_dim),)
-            for pub, group, (a, b) in zip(self.group_pubs, self.profile.output.groups, slices):
-                pub.publish(self.group_cmd(name=group, cmd=[float(x) for x in command.action[a:b]]))
+        if self.group_cmd is not None:   # Interbotix arms take their commands every control tick
+            for c in group_commands(self.profile.output, command.action):
+                self.group_pubs[c.topic_index].publish(self.group_cmd(name=c.name, cmd=list(c.values)))
+            for c in single_commands(self.profile.output, command.action):
+                self.single_pubs[c.topic_index].publish(self.single_cmd(name=c.name, cmd=c.values[0]))
         if req is not None:
             self.requested_at[req.request_seq] = time.monotonic()
             msg = PrefixRequest()
@@ -163,30 +164,26 @@ class PolicyNode(Node):
 
     # ------------------------------------------------------------ chunks
     def _on_slot(self, msg: SlotReady) -> None:
-        if self.ring is None:
-            try:
-                self.ring = RingBuffer.attach(msg.ring, self.layout)
-            except Exception as e:  # a layout mismatch or a missing segment: report, stay safe
-                self.get_logger().error(f"cannot attach ring {msg.ring!r}: {e}")
-                return
-        info = self.ring.read(msg.slot, msg.sequence, self.slot_buf)
-        if info is None or not isinstance(info.meta, dict):
+        try:
+            result = self.stage.act(SlotNote(msg.ring, int(msg.slot), int(msg.sequence)))
+        except (RingBufferError, ValueError, OSError) as e:  # a layout mismatch, a missing segment: report, stay safe
+            self.get_logger().error(f"slot {msg.slot} of ring {msg.ring!r} unusable: {e}", throttle_duration_sec=2.0)
+            return
+        if result is None:
             self.get_logger().warning(f"slot {msg.slot} seq {msg.sequence} was overwritten before it was read")
             return
-        meta = PrefixMeta(**{k: int(info.meta[k]) for k in META_KEYS})
-        request_seq = int(info.meta["request_seq"])
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + request_seq)
-        chunk = self.worker.act(self.slot_buf, meta, generator=gen)
-        latency = time.monotonic() - self.requested_at.pop(request_seq, time.monotonic())
+        latency = time.monotonic() - self.requested_at.pop(result.request_seq, time.monotonic())
         with self.lock:
-            merged = self.controller.on_chunk(request_seq, chunk, max(self.tick, 0), latency)
+            merged = self.controller.on_chunk(result.request_seq, result.chunk, max(self.tick, 0), latency)
             first, upcoming = self.controller.upcoming(max(self.tick, 0) + 1)
         if not merged:
             return
-        self._publish(request_seq, chunk, first, upcoming)
+        self.cached_calls += int(result.used_reference)
+        self._publish(result.request_seq, result.chunk, first, upcoming, "cached" if result.used_reference else "dense")
         self._publish_diagnostics(latency)
 
-    def _publish(self, request_seq: int, chunk: np.ndarray, first_tick: int, upcoming: np.ndarray) -> None:
+    def _publish(self, request_seq: int, chunk: np.ndarray, first_tick: int, upcoming: np.ndarray,
+                 source: str) -> None:
         prof = self.profile
         period = 1.0 / prof.control_hz
         first_ns = int(self.t0_ns + first_tick * period * 1e9) if self.t0_ns is not None else 0
@@ -196,7 +193,7 @@ class PolicyNode(Node):
         out.joint_names = list(prof.joint_names)
         out.control_period, out.chunk_length, out.action_dim = period, chunk.shape[0], chunk.shape[1]
         out.actions = [float(x) for x in chunk.reshape(-1)]
-        out.source = "dense"
+        out.source = source
         self.chunk_pub.publish(out)
         if len(upcoming) == 0:
             return
@@ -213,20 +210,20 @@ class PolicyNode(Node):
 
 
     def _publish_diagnostics(self, latency_s: float) -> None:
-        """Per-call health for rqt / diagnostic_aggregator: latency, holds, safety, watchdog."""
+        """Per-call health for rqt / diagnostic_aggregator: latency, holds, safety, watchdog, cache."""
         c = self.controller
-        held = c.safety.counts.get("held", 0)
-        status = DiagnosticStatus(name="vla_runtime: policy", hardware_id=self.profile.name,
-                                  level=DiagnosticStatus.OK if c.watchdog.stale_events == 0 else DiagnosticStatus.WARN,
-                                  message="streaming" if c.watchdog.stale_events == 0 else "plan went stale at least once")
         values = {"call_latency_s": f"{latency_s:.4f}", "expected_latency_s": f"{c.scheduler.expected_latency_s():.4f}",
                   "calls": str(c.scheduler.counters.finished), "late_chunks": str(c.scheduler.counters.late),
-                  "held_ticks": str(held), "clamped_ticks": str(c.safety.counts.get("clamped", 0)),
-                  "watchdog_stale_events": str(c.watchdog.stale_events), "request_timeouts": str(self.request_timeouts)}
-        status.values = [KeyValue(key=k, value=v) for k, v in values.items()]
-        msg = DiagnosticArray(status=[status])
-        msg.header.stamp = self.get_clock().now().to_msg()
-        self.diag_pub.publish(msg)
+                  "held_ticks": str(c.safety.counts.get("held", 0)),
+                  "clamped_ticks": str(c.safety.counts.get("clamped", 0)),
+                  "watchdog_stale_events": str(c.watchdog.stale_events), "request_timeouts": str(self.request_timeouts),
+                  "cached_calls": str(self.cached_calls), "masks_missed": str(self.stage.masks_missed)}
+        warn = "plan went stale at least once" if c.watchdog.stale_events else ""
+        self.diag_pub.publish(diagnostic_array(self, "vla_runtime: policy", self.profile.name, values, warn))
+
+    def destroy_node(self) -> None:
+        self.stage.close()
+        super().destroy_node()
 
 
 def main(args: list[str] | None = None) -> None:

@@ -1,4 +1,5 @@
-"""The ring buffer of prefix slots between the vision and policy nodes (layout and names)."""
+"""The ring buffer of prefix slots between the vision and policy nodes (layout), and the topics
+of the small notifications between the three nodes."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from .workers import PrefixSlotSpec
 DEFAULT_RING = "vla_prefix"
 REQUEST_TOPIC = "/vla_runtime/prefix_request"   # policy -> vision: PrefixRequest
 READY_TOPIC = "/vla_runtime/slot_ready"         # vision -> policy: SlotReady
+QUERY_TOPIC = "/vla_runtime/reference_query"    # vision -> cache manager: ReferenceQuery
+REPLY_TOPIC = "/vla_runtime/reference_reply"    # cache manager -> vision: ReferenceReply
 
 
 def prefix_layout(spec: PrefixSlotSpec) -> SlotLayout:

@@ -41,6 +41,9 @@ class OutputSpec:
     topics: tuple[str, ...] = ("/joint_trajectory_controller/joint_trajectory",)
     groups: tuple[str, ...] = ()          # interbotix: group name per topic (e.g. "arm")
     joint_slices: tuple[tuple[int, int], ...] = ()   # which joints each topic gets (default: all to the first)
+    single_topics: tuple[str, ...] = ()   # interbotix: JointSingleCommand topics (grippers)
+    single_names: tuple[str, ...] = ()    # interbotix joint name per single topic (e.g. "gripper")
+    single_joints: tuple[int, ...] = ()   # which action index each single topic gets
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,7 @@ class EngineSpec:
     dtype: str = "float32"
     device: str = "cpu"
     threads: int | None = None
+    share_weights: bool = True   # CPU: every node maps one file of fused weights instead of a copy each
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,7 @@ class CacheSpec:
     episodes: int = 4        # T
     lookahead: int = 4       # L
     memory_budget_mb: int = 4096
+    reference_timeout_s: float = 0.5   # the vision node waits this long for an answer, then runs dense
 
 
 @dataclass(frozen=True)
@@ -130,6 +135,18 @@ class RobotProfile:
             raise bad("output.joint_slices", "one slice per output topic")
         if o.kind == "interbotix_joint_group" and len(o.groups) != len(o.topics):
             raise bad("output.groups", "interbotix output needs one group name per topic")
+        for a, b in o.joint_slices:
+            if not 0 <= a < b <= n:
+                raise bad("output.joint_slices", f"slice [{a}, {b}) outside the {n} joints")
+        if o.single_topics:
+            if o.kind != "interbotix_joint_group":
+                raise bad("output.single_topics", "single-joint commands exist for interbotix_joint_group output only")
+            if not (len(o.single_names) == len(o.single_joints) == len(o.single_topics)):
+                raise bad("output.single_names/single_joints", "one joint name and one action index per single topic")
+            if any(not t.startswith("/") for t in o.single_topics):
+                raise bad("output.single_topics", "needs absolute topic names")
+            if any(not isinstance(j, int) or not 0 <= j < n for j in o.single_joints):
+                raise bad("output.single_joints", f"action indices must be in [0, {n})")
         s = self.streaming
         if s.predictor not in PREDICTORS:
             raise bad("streaming.predictor", f"must be one of {PREDICTORS}, got {s.predictor!r}")
@@ -142,8 +159,17 @@ class RobotProfile:
             raise bad("cache.repository", "required when the cache is enabled")
         if not 0 < c.rho_p <= 1 or c.episodes < 1 or c.lookahead < 0 or c.memory_budget_mb < 1:
             raise bad("cache", "rho_p in (0, 1], episodes >= 1, lookahead >= 0, memory_budget_mb >= 1")
-        if self.engine.dtype not in ("float32", "bfloat16", "float16"):
-            raise bad("engine.dtype", f"must be float32, bfloat16 or float16, got {self.engine.dtype!r}")
+        if not (isinstance(c.reference_timeout_s, (int, float)) and 0 < c.reference_timeout_s <= 60):
+            raise bad("cache.reference_timeout_s", f"must be in (0, 60] s, got {c.reference_timeout_s!r}")
+        e = self.engine
+        if e.dtype not in ("float32", "bfloat16", "float16"):
+            raise bad("engine.dtype", f"must be float32, bfloat16 or float16, got {e.dtype!r}")
+        if not isinstance(e.device, str) or not (e.device == "cpu" or e.device.split(":")[0] == "cuda"):
+            raise bad("engine.device", f"must be cpu, cuda or cuda:N, got {e.device!r}")
+        if e.threads is not None and not (isinstance(e.threads, int) and 1 <= e.threads <= 256):
+            raise bad("engine.threads", f"must be null or an int in [1, 256], got {e.threads!r}")
+        if not isinstance(e.share_weights, bool):
+            raise bad("engine.share_weights", f"must be true or false, got {e.share_weights!r}")
         return self
 
 
@@ -172,7 +198,8 @@ def profile_from_dict(data: dict, where: str = "profile") -> RobotProfile:
                      for k, v in (d.pop("cameras", None) or {}).items())
         out = d.pop("output", None) or {}
         out = _build(OutputSpec, {**out, **{k: tuple(tuple(x) if isinstance(x, list) else x for x in out[k])
-                                            for k in ("topics", "groups", "joint_slices") if k in out}}, f"{where}.output")
+                                            for k in ("topics", "groups", "joint_slices", "single_topics", "single_names",
+                                                      "single_joints") if k in out}}, f"{where}.output")
         stream = dict(d.pop("streaming", None) or {})
         stitch = _build(StitchConfig, stream.pop("stitch", None), f"{where}.streaming.stitch")
         streaming = _build(StreamingSpec, {**stream, "stitch": stitch}, f"{where}.streaming")

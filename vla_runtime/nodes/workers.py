@@ -1,27 +1,38 @@
-"""The vision and policy workers: one pi0.5 call split at the prefix KV cache.
+"""The three workers: one pi0.5 call split at the prefix KV cache, plus the cache manager.
 
 The vision worker turns an observation (images, the state to condition on, instruction) into the
 prefix keys/values of every VLM layer and writes them into a slot (ring-buffer memory in the
 three-process deployment); the policy worker copies a slot into its own KV cache and denoises.
-Both are plain Python: the rclpy nodes, the ROS-free multi-process runner and the tests drive
-the same code. Splitting here is exact: the denoising loop only ever reads the prefix K/V.
+Splitting here is exact: the denoising loop only ever reads the prefix K/V. Between the vision
+tower and the prefill the vision side asks the cache worker for a reference (rMuscle): its
+prepared entry, in the shared working set, turns the prefill's FFNs into the Context Cache and
+the denoising loop's into the Action Cache.
+
+All three are plain Python: the rclpy nodes, the ROS-free runner (one process or three) and the
+tests drive the same code; only how the small notifications travel differs.
 """
 
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from typing import ContextManager
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from ..engine.dense import DenseEngine
+from ..cache.action_cache import ActionCache, ActionCacheBuffers
+from ..cache.context_cache import ContextCache
+from ..cache.entry import PreparedEntry
+from ..cache.manager import CacheManager, PrepareReport
+from ..engine.cached import CacheConfig, same_camera_layout
+from ..engine.dense import DenseEngine, ModelInputs
 from ..engine.policy import Observation, Pi05Policy
 from ..engine.timing import PhaseTimer
 from ..models.config import Pi05Config
 from ..models.pi05 import Prefix
+from .working_set import SharedEntry
 
 
 @dataclass(frozen=True)
@@ -62,63 +73,137 @@ class PrefixMeta:
     state_dim: int
     observation_seq: int
     stamp_ns: int
+    ref_slot: int = -1   # working-set entry the call used (-1: dense); the policy reads its masks
+    ref_seq: int = -1
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
 
+    @classmethod
+    def from_dict(cls, meta: dict) -> "PrefixMeta":
+        """From a slot's metadata; a missing or non-integer field is an error, extra keys are ignored."""
+        try:
+            return cls(**{f.name: int(meta[f.name]) for f in fields(cls) if f.name in meta or f.default is MISSING})
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"prefix slot metadata unusable ({e!r}): {meta}") from None
+
+
+@dataclass(frozen=True)
+class ReferenceChoice:
+    """The cache worker's answer to one query: a working-set entry, or dense and why."""
+
+    request_seq: int
+    slot: int = -1
+    seq: int = -1
+    episode: str = ""
+    index: int = -1
+    similarity: float = float("nan")
+    reason: str = ""
+
+    @property
+    def found(self) -> bool:
+        return self.slot >= 0
+
+
+@dataclass
+class VisionPass:
+    """The vision tower's half of a call: what the prefill needs, and the retrieval query."""
+
+    inputs: ModelInputs
+    image_tokens: Tensor
+    features: Tensor     # [N, patches, vision width] at cfg.retrieval_layer (the cache manager's query)
+
 
 class VisionWorker:
-    """Observation -> prefix K/V of every VLM layer (vision tower + VLM prefill)."""
+    """Observation -> prefix K/V of every VLM layer (vision tower + VLM prefill).
 
-    def __init__(self, policy: Pi05Policy):
+    ``cache`` enables the Context Cache for calls given a reference (``rho_p``); without it, or
+    without a reference, the prefill is the dense engine's.
+    """
+
+    def __init__(self, policy: Pi05Policy, cache: CacheConfig | None = None):
         self.policy = policy
         self.engine: DenseEngine = policy.engine
+        self.cache = cache
         self.spec = PrefixSlotSpec.for_config(self.engine.cfg, self.engine.dtype)
+        self.last_context: ContextCache | None = None
+
+    @staticmethod
+    def _phase(timer: PhaseTimer | None, name: str) -> ContextManager[None]:
+        # Timing synchronises a GPU: only when somebody reads the figures.
+        return timer.phase(name) if timer is not None else nullcontext()
 
     @torch.no_grad()
-    def encode(self, obs: Observation, out: dict[str, Tensor], observation_seq: int, stamp_ns: int,
-               timer: PhaseTimer | None = None) -> PrefixMeta:
-        """Write the prefix of ``obs`` into ``out`` (slot tensors). ``obs.state`` is the state the
-        prompt is conditioned on (the policy's predicted state, not necessarily the observed one).
-
-        ``timer``, when given, records the ``"vision"`` (input preparation and vision tower) and
-        ``"prefill"`` phases separately; it is optional because timing synchronises a GPU, which
-        the nodes' hot path should not pay for when nobody reads the figures."""
+    def embed(self, obs: Observation, timer: PhaseTimer | None = None) -> VisionPass:
+        """Validate the observation and run the vision tower (``"vision"`` phase)."""
         m = self.engine.model
-
-        def phase(name: str) -> ContextManager[None]:
-            return timer.phase(name) if timer is not None else nullcontext()
-
-        with phase("vision"):
+        with self._phase(timer, "vision"):
             inputs = self.policy.prepare(obs)
             image_tokens, tapped = m.embed_images(inputs.images.to(self.engine.device), m.cfg.retrieval_layer)
-        with phase("prefill"):
-            prefix = m.build_prefix(image_tokens, inputs.image_mask, inputs.tokens, inputs.token_mask)
+        return VisionPass(inputs, image_tokens, tapped[0])
+
+    @torch.no_grad()
+    def prefill(self, vp: VisionPass, state: np.ndarray | list[float], out: dict[str, Tensor], observation_seq: int,
+                stamp_ns: int, reference: PreparedEntry | None = None, ref_at: tuple[int, int] = (-1, -1),
+                timer: PhaseTimer | None = None) -> PrefixMeta:
+        """Prefill (``"prefill"`` phase) and write the prefix into ``out`` (slot tensors).
+
+        ``state`` is the state the prompt was conditioned on (the policy's predicted state).
+        ``reference``/``ref_at``: the prepared entry chosen for this call and where it lives in the
+        working set (so the policy denoises with its masks); a reference recorded with another
+        camera layout is not used for the Context Cache.
+        """
+        m = self.engine.model
+        self.last_context = None
+        with self._phase(timer, "prefill"):
+            prefix = m.build_prefix(vp.image_tokens.to(self.engine.dtype), vp.inputs.image_mask, vp.inputs.tokens,
+                                    vp.inputs.token_mask)
             if prefix.key_bias is not None:
                 raise ValueError("prompt with interior padding: not supported by the prefix slot (batch of one)")
-            m.prefill(prefix)
+            ffn = None
+            if (reference is not None and self.cache is not None and self.cache.context_cache
+                    and same_camera_layout(reference, vp.inputs.image_mask)):
+                ffn = self.last_context = ContextCache(reference, self.cache.rho_p)
+            m.prefill(prefix, ffn=ffn)
         p = prefix.length
         for i, cache in enumerate(m.caches):
             out["k"][i, :, :p].copy_(cache.k[0, :, :p])
             out["v"][i, :, :p].copy_(cache.v[0, :, :p])
-        rows = tapped[0].flatten(0, 1)
+        rows = vp.features.flatten(0, 1)
         out["retrieval"][: rows.shape[0]].copy_(rows)
-        state = torch.as_tensor(np.asarray(obs.state), dtype=torch.float32).reshape(-1)
-        out["state"][: state.numel()].copy_(state)
-        return PrefixMeta(length=p, valid_len=int(prefix.valid_len[0]), cameras=int(inputs.image_mask.sum()),
-                          state_dim=state.numel(), observation_seq=observation_seq, stamp_ns=stamp_ns)
+        state_t = torch.as_tensor(np.asarray(state), dtype=torch.float32).reshape(-1)
+        out["state"][: state_t.numel()].copy_(state_t)
+        uses_masks = reference is not None and reference.masks is not None
+        return PrefixMeta(length=p, valid_len=int(prefix.valid_len[0]), cameras=int(vp.inputs.image_mask.sum()),
+                          state_dim=state_t.numel(), observation_seq=observation_seq, stamp_ns=stamp_ns,
+                          ref_slot=ref_at[0] if uses_masks else -1, ref_seq=ref_at[1] if uses_masks else -1)
+
+    def encode(self, obs: Observation, out: dict[str, Tensor], observation_seq: int, stamp_ns: int,
+               timer: PhaseTimer | None = None) -> PrefixMeta:
+        """A dense prefix in one step (no reference)."""
+        return self.prefill(self.embed(obs, timer), obs.state, out, observation_seq, stamp_ns, timer=timer)
 
 
 class PolicyWorker:
-    """Prefix slot -> action chunk in robot units (denoising of the action expert)."""
+    """Prefix slot -> action chunk in robot units (denoising of the action expert).
 
-    def __init__(self, policy: Pi05Policy):
+    ``mask_size`` (neurons per expert layer, rho_n x MLP width) and ``groups`` enable the Action
+    Cache for calls whose prefix came with a reference's masks.
+    """
+
+    def __init__(self, policy: Pi05Policy, cache: CacheConfig | None = None):
         self.policy = policy
         self.engine: DenseEngine = policy.engine
+        self.cache = cache
+        self.buffers: ActionCacheBuffers | None = None
+        if cache is not None and cache.action_cache:
+            k = cache.mask_size(self.engine.cfg.expert.mlp_dim)
+            self.buffers = ActionCacheBuffers(self.engine.cfg, k, self.engine.dtype, self.engine.device)
+        self.last_used_masks = False
 
     @torch.no_grad()
     def act(self, slot: dict[str, Tensor], meta: PrefixMeta, noise: Tensor | None = None,
-            generator: torch.Generator | None = None) -> np.ndarray:
+            generator: torch.Generator | None = None, masks: Tensor | None = None) -> np.ndarray:
         m, cfg = self.engine.model, self.engine.cfg
         p = meta.length
         if not 0 < p <= cfg.max_prefix_len or not 0 < meta.valid_len <= p:
@@ -129,5 +214,50 @@ class PolicyWorker:
         noise = self.engine.make_noise(1, generator) if noise is None else noise.to(self.engine.device, torch.float32)
         stub = Prefix(torch.empty(1, 0, cfg.vlm.width, device=self.engine.device),
                       torch.empty(1, 0, dtype=torch.int64), None, torch.tensor([meta.valid_len]), start=p)
-        actions = m.denoise(stub, noise)
+        ffn = None
+        if masks is not None and self.buffers is not None:
+            if masks.shape[-1] != self.buffers.k:
+                raise ValueError(f"reference masks hold {masks.shape[-1]} neurons, this policy expects "
+                                 f"{self.buffers.k} (rho_n={self.cache.rho_n})")
+            ffn = ActionCache(self.buffers, masks.to(self.engine.device), self.cache.groups, cfg.num_steps)
+        self.last_used_masks = ffn is not None
+        actions = m.denoise(stub, noise, ffn=ffn)
         return self.policy.action_norm.unnormalize(actions[0].float().cpu()).numpy()
+
+
+class CacheWorker:
+    """The cache manager's side of a call: query -> reference, then upkeep of the working set.
+
+    Episodes follow the instruction: a new task starts a new episode (task pack, fresh window).
+    """
+
+    def __init__(self, manager: CacheManager):
+        self.manager = manager
+        self.last_prepare: PrepareReport | None = None
+
+    def query(self, request_seq: int, task: str, features: Tensor, state: np.ndarray | Tensor) -> ReferenceChoice:
+        m = self.manager
+        if task != m.task:
+            m.start_episode(task)
+        m.observe_state(torch.as_tensor(np.asarray(state, dtype=np.float32)))
+        ref = m.select(features)
+        match = m.last_match
+        if ref is None or match is None:
+            reason = m.retriever.reason or ("matched entry not prepared yet" if match is not None else "no match")
+            return ReferenceChoice(request_seq, reason=reason)
+        if not isinstance(ref, SharedEntry):
+            raise TypeError("the cache worker needs a manager whose entries live in the shared working set")
+        return ReferenceChoice(request_seq, ref.slot, ref.seq, match.episode_id, match.index, match.similarity)
+
+    def prepare(self, time_available_s: float | None = None) -> PrepareReport:
+        """Slide the window after a call (meant to overlap the robot executing the chunk)."""
+        self.last_prepare = self.manager.prepare(time_available_s)
+        return self.last_prepare
+
+    def diagnostics(self) -> dict[str, str]:
+        st = self.manager.retriever.stats
+        rate = st.hits / st.queries if st.queries else 0.0
+        return {"queries": str(st.queries), "hits": str(st.hits), "hit_rate": f"{rate:.3f}",
+                "fallbacks": str(st.fallbacks), "stalls": str(st.stalls),
+                "last_similarity": f"{st.last_similarity:.4f}", "prepared_entries": str(len(self.manager.entries)),
+                "reason": self.manager.retriever.reason or ""}

@@ -110,6 +110,12 @@ def camera_names(arms: int) -> tuple[str, ...]:
     return ("top", "wrist", "wrist_left") + (("wrist_right",) if arms == 2 else ())
 
 
+def joint_names(arms: int) -> tuple[str, ...]:
+    """The simulated robot's joint names, in state order (``config/sim.yaml`` uses the one-arm set)."""
+    one = tuple(f"joint_{i}" for i in range(N_JOINTS)) + ("gripper",)
+    return one if arms == 1 else tuple(f"{side}_{n}" for side in ("left", "right") for n in one)
+
+
 def _camera_arm(camera: str) -> int | None:
     """Which arm a camera rides on (``None`` for the fixed top camera)."""
     return {"top": None, "wrist": 0, "wrist_left": 0, "wrist_right": 1}[camera]

@@ -24,7 +24,7 @@ from ..models.config import preset
 from ..models.normalize import save_lerobot_normalization
 from ..models.pi05 import Pi05Model, init_random_
 from ..models.tokenizer import train_prompt_tokenizer
-from ..sim.scenes import SceneConfig, make_episodes
+from ..sim.scenes import JOINTS_PER_ARM, SceneConfig, joint_names, make_episodes
 
 DEMO_TASK = "pick up the red block and put it in the bowl"
 
@@ -88,11 +88,12 @@ def make_demo(out: str | Path, spec: DemoSpec = DemoSpec(), log=print) -> dict:
             if path.exists():
                 raise FileExistsError(f"{path} exists; choose an empty --out")
             path.parent.mkdir(parents=True, exist_ok=True)
-            write_episode_bag(path, ep, topics)
+            write_episode_bag(path, ep, topics, joint_names=joint_names(ep.state_dim // JOINTS_PER_ARM))
         log(f"wrote {len(eps)} {name} bag(s) to {out / 'episodes' / name}")
     info = {"checkpoint": str(ckpt), "references": str(out / "episodes" / "references"),
             "held_out": str(out / "episodes" / "held_out"), "cameras": list(spec.cameras),
-            "topics": {"cameras": topics.cameras, "joint_states": topics.joint_states,
+            # One joint-state topic here; kept a string, the form build-cache's --state-topic takes.
+            "topics": {"cameras": topics.cameras, "joint_states": topics.joint_states[0],
                        "instruction": topics.instruction}, "task": spec.task, "preset": spec.preset}
     (out / "demo.json").write_text(json.dumps(info, indent=2))
     return info

@@ -1,0 +1,155 @@
+"""The three stages without ROS: in one process and in three, with the muscle-memory cache.
+
+The chunks equal an independent in-process computation (cached engine + cache manager on one
+model), the three-process pipeline equals the one-process one, and a cache that is refused or
+dies mid-run turns calls dense instead of stopping them."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from vla_runtime.cache.builder import BuildConfig, build_repository
+from vla_runtime.cache.manager import CacheManager, ManagerConfig
+from vla_runtime.cache.repository import ReferenceRepository
+from vla_runtime.cache.retrieval import RetrievalConfig
+from vla_runtime.cli import main as cli_main
+from vla_runtime.engine.cached import CacheConfig, CachedEngine
+from vla_runtime.engine.policy import Observation, Pi05Policy
+from vla_runtime.io.bags import list_episode_bags, read_episode
+from vla_runtime.nodes.pipeline import LocalPipeline, PipelineSpec, ProcessPipeline
+from vla_runtime.nodes.profile import CacheSpec
+from vla_runtime.nodes.stages import RingNames
+from vla_runtime.tools.demo import DemoSpec, demo_topics, make_demo
+
+CAMS = ("top", "wrist")
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("pipeline_demo")
+    info = make_demo(root, DemoSpec(preset="pi05-tiny", episodes=4, held_out=1, steps_per_episode=30), log=lambda m: None)
+    policy = Pi05Policy.from_checkpoint(info["checkpoint"], camera_names=list(CAMS))
+    build_repository(policy, policy.checkpoint_hash, list_episode_bags(info["references"]), root / "repo",
+                     demo_topics(CAMS), call_period=0.5, cfg=BuildConfig(rho_n=0.5), log=lambda m: None)
+    episode = read_episode(list_episode_bags(info["held_out"])[0], demo_topics(CAMS), call_period=0.5)
+    return {**info, "repo": root / "repo", "episode": episode}
+
+
+def _rings(tag: str) -> RingNames:
+    return RingNames(f"t{os.getpid()}_{tag}_p", f"t{os.getpid()}_{tag}_q", f"t{os.getpid()}_{tag}_w")
+
+
+def _spec(demo: dict, tag: str, repository: str | None = None, enabled: bool = True) -> PipelineSpec:
+    cache = CacheSpec(enabled=enabled, repository=repository or str(demo["repo"]), reference_timeout_s=60.0)
+    return PipelineSpec(Path(demo["checkpoint"]), CAMS, cache, rings=_rings(tag), seed=3, time_available_s=10.0)
+
+
+def _run(pipeline, episode) -> list[tuple[np.ndarray, bool, object]]:
+    out = []
+    for frame in episode.frames:
+        res = pipeline.call(frame.images, np.asarray(frame.state), episode.task)
+        choice = pipeline.last_choice
+        out.append((res.chunk, res.used_reference, None if choice is None else (choice.episode, choice.index)))
+    return out
+
+
+def _expected(demo: dict, seed: int) -> list[tuple[np.ndarray, object]]:
+    """The same calls through the cached engine and the cache manager, on one model in this process."""
+    policy = Pi05Policy.from_checkpoint(demo["checkpoint"], camera_names=list(CAMS))
+    repo = ReferenceRepository.open(demo["repo"])
+    manager = CacheManager(policy.engine.model, repo, ManagerConfig(RetrievalConfig(history_len=repo.meta.history_len)))
+    engine = CachedEngine(policy.engine.model, CacheConfig(rho_p=0.4, rho_n=repo.meta.rho_n,
+                                                           groups=tuple(tuple(g) for g in repo.meta.mask_groups)))
+    episode = demo["episode"]
+    manager.start_episode(episode.task)
+    out = []
+    for i, frame in enumerate(episode.frames):
+        manager.observe_state(torch.as_tensor(frame.state))
+        noise = policy.engine.make_noise(1, torch.Generator().manual_seed(seed * 1_000_003 + i))
+        res = engine.infer(policy.prepare(Observation(frame.images, frame.state, episode.task)), noise=noise,
+                           select=manager.select)
+        out.append((policy.action_norm.unnormalize(res.actions[0]).numpy(),
+                    None if res.reference is None else res.reference.key))
+        manager.prepare(10.0)
+    return out
+
+
+def test_one_process_pipeline_equals_the_cached_engine(demo):
+    with LocalPipeline(_spec(demo, "local")) as pipeline:
+        got = _run(pipeline, demo["episode"])
+    expected = _expected(demo, seed=3)
+    assert sum(used for _, used, _ in got) >= len(got) - 1          # the cache served the calls
+    for (chunk, used, key), (want, want_key) in zip(got, expected):
+        assert (key if used else None) == want_key
+        np.testing.assert_allclose(chunk, want, rtol=0, atol=1e-6)
+
+
+def test_three_processes_equal_one_process(demo):
+    with LocalPipeline(_spec(demo, "one")) as pipeline:
+        one = _run(pipeline, demo["episode"])
+    with ProcessPipeline(_spec(demo, "three")) as pipeline:
+        three = _run(pipeline, demo["episode"])
+        assert set(pipeline.last_times) >= {"vision", "retrieve", "prefill", "denoise"}
+    assert [(u, k) for _, u, k in three] == [(u, k) for _, u, k in one]
+    for (a, _, _), (b, _, _) in zip(three, one):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_without_the_cache_the_pipeline_is_the_dense_policy(demo):
+    episode = demo["episode"]
+    policy = Pi05Policy.from_checkpoint(demo["checkpoint"], camera_names=list(CAMS))
+    with ProcessPipeline(_spec(demo, "dense", enabled=False)) as pipeline:
+        assert set(pipeline.processes) == {"vision", "policy"}
+        for i, frame in enumerate(episode.frames[:2]):
+            res = pipeline.call(frame.images, np.asarray(frame.state), episode.task)
+            want = policy.predict(Observation(frame.images, frame.state, episode.task),
+                                  generator=torch.Generator().manual_seed(3 * 1_000_003 + i)).actions
+            assert not res.used_reference and pipeline.last_choice is None
+            np.testing.assert_allclose(res.chunk, want, rtol=0, atol=1e-5)
+
+
+def test_a_refused_repository_runs_dense_and_says_why(demo, tmp_path):
+    (tmp_path / "repo").mkdir()
+    (tmp_path / "repo" / "index.json").write_text("{not json")
+    with LocalPipeline(_spec(demo, "refused", repository=str(tmp_path / "repo"))) as pipeline:
+        frame = demo["episode"].frames[0]
+        res = pipeline.call(frame.images, np.asarray(frame.state), demo["episode"].task)
+        assert not res.used_reference and pipeline.cache is None    # refused at start: no cache stage at all
+        assert np.isfinite(res.chunk).all()
+
+
+def test_cache_manager_dying_mid_episode_turns_calls_dense(demo):
+    episode = demo["episode"]
+    with ProcessPipeline(_spec(demo, "kill")) as pipeline:
+        frame = episode.frames[0]
+        assert pipeline.call(frame.images, np.asarray(frame.state), episode.task).used_reference
+        pipeline.processes["cache"].kill()
+        pipeline.processes["cache"].join(10)
+        for frame in episode.frames[1:]:
+            res = pipeline.call(frame.images, np.asarray(frame.state), episode.task)
+            assert not res.used_reference and pipeline.last_choice is None and np.isfinite(res.chunk).all()
+
+
+def test_cli_run_writes_json(demo, tmp_path, capsys):
+    import yaml
+
+    root = Path(__file__).resolve().parents[2]
+    profile = yaml.safe_load((root / "config" / "sim.yaml").read_text())
+    profile["engine"]["checkpoint"] = demo["checkpoint"]
+    profile["cache"] = {"enabled": True, "repository": str(demo["repo"]), "reference_timeout_s": 60.0}
+    (tmp_path / "profile.yaml").write_text(yaml.safe_dump(profile))
+    bag = list_episode_bags(demo["held_out"])[0]
+    rc = cli_main(["run", str(bag), "--profile", str(tmp_path / "profile.yaml"), "--processes", "1",
+                   "--out", str(tmp_path / "run.json")])
+    assert rc == 0
+    report = json.loads((tmp_path / "run.json").read_text())
+    assert report["calls"] == len(demo["episode"].frames) and report["cached_calls"] >= 1
+    assert report["per_call"][0]["reference"] and np.isfinite(np.asarray(report["per_call"][0]["actions"])).all()
+    rc = cli_main(["run", str(tmp_path / "missing"), "--profile", str(tmp_path / "profile.yaml")])
+    assert rc == 2 and "no episode bag" in capsys.readouterr().err

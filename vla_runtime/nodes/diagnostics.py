@@ -1,0 +1,20 @@
+"""Per-call health as ``diagnostic_msgs/DiagnosticArray`` (rqt_robot_monitor, diagnostic_aggregator)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+DIAGNOSTICS_TOPIC = "/diagnostics"
+
+
+def diagnostic_array(node: Any, name: str, hardware_id: str, values: dict[str, str], warning: str = "") -> Any:
+    """One status: OK, or WARN with ``warning`` as its message; ``values`` become key/value pairs."""
+    from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
+
+    status = DiagnosticStatus(name=name, hardware_id=hardware_id,
+                              level=DiagnosticStatus.WARN if warning else DiagnosticStatus.OK,
+                              message=warning or "ok")
+    status.values = [KeyValue(key=k, value=str(v)) for k, v in values.items()]
+    msg = DiagnosticArray(status=[status])
+    msg.header.stamp = node.get_clock().now().to_msg()
+    return msg

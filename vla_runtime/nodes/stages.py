@@ -1,0 +1,352 @@
+"""The three stages of the pipeline: a worker plus the shared memory it reads and writes.
+
+A stage is what a node process does, minus how notifications travel: the rclpy nodes, the
+ROS-free runner (``pipeline.py``: one process or three) and the tests all drive these classes
+and pass the same small notes between them ("slot k holds sequence n", "a query is waiting",
+"use entry s"). Bulk tensors only ever move through the rings:
+
+- prefix ring (vision -> policy): every VLM layer's prefix K/V, one slot per call;
+- query ring (vision -> cache manager): the call's retrieval features and state;
+- working set (cache manager -> vision, policy): the prepared reference entries.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..cache.builder import model_summary
+from ..cache.manager import CacheManager, ManagerConfig
+from ..cache.repository import ReferenceRepository, RepositoryError
+from ..cache.retrieval import RetrievalConfig
+from ..cache.window import WindowConfig
+from ..engine.cached import CacheConfig
+from ..engine.policy import Observation, Pi05Policy
+from ..engine.timing import PhaseTimer
+from ..ipc.layout import FieldSpec, SlotLayout
+from ..ipc.ring import RingBuffer, RingBufferError
+from ..models.config import Pi05Config
+from .profile import CacheSpec, EngineSpec
+from .prefix_ring import DEFAULT_RING, prefix_layout
+from .workers import (CacheWorker, PolicyWorker, PrefixMeta, PrefixSlotSpec, ReferenceChoice, VisionWorker)
+from .working_set import DEFAULT_WORKING_SET, SharedEntryStore, WorkingSetReader, working_set_layout
+
+log = logging.getLogger(__name__)
+
+DEFAULT_QUERY_RING = "vla_query"
+MAX_STATE = 64
+
+
+# ---------------------------------------------------------------- notes (what ROS messages carry)
+
+@dataclass(frozen=True)
+class PrefixRequestNote:
+    """policy -> vision: encode the newest images, conditioned on ``state``, for ``start_tick``."""
+
+    request_seq: int
+    start_tick: int
+    state: tuple[float, ...]
+    task: str
+
+
+@dataclass(frozen=True)
+class SlotNote:
+    """A payload is ready: ``ring`` slot ``slot`` holds sequence ``seq``."""
+
+    ring: str
+    slot: int
+    seq: int
+
+
+@dataclass(frozen=True)
+class QueryNote:
+    """vision -> cache manager: the retrieval query of ``request_seq`` is in the query ring."""
+
+    request_seq: int
+    task: str
+    slot: int
+    seq: int
+
+
+@dataclass(frozen=True)
+class RingNames:
+    """Shared-memory names; one set per pipeline (two robots on one machine need two sets)."""
+
+    prefix: str = DEFAULT_RING
+    query: str = DEFAULT_QUERY_RING
+    working_set: str = DEFAULT_WORKING_SET
+
+
+def query_layout(cfg: Pi05Config) -> SlotLayout:
+    """The retrieval query of one call: intermediate ViT features (fp32, as retrieval ranks them)
+    and the state the call is conditioned on."""
+    rows = cfg.num_cameras * cfg.num_image_tokens
+    return SlotLayout((FieldSpec("features", (rows, cfg.vision.width), torch.float32),
+                       FieldSpec("state", (MAX_STATE,), torch.float32)))
+
+
+def open_repository_meta(spec: CacheSpec, policy: Pi05Policy) -> ReferenceRepository | None:
+    """The repository the profile names, checked against the loaded checkpoint (headers only), or
+    None with the reason logged: a refused repository means dense, never a stopped robot."""
+    if not spec.enabled or not spec.repository:
+        return None
+    try:
+        return ReferenceRepository.open(spec.repository, expect_checkpoint_hash=policy.checkpoint_hash,
+                                        expect_model=model_summary(policy.engine.cfg), verify=False)
+    except (RepositoryError, OSError) as e:
+        log.warning("muscle-memory cache disabled, running dense: %s", e)
+        return None
+
+
+def cache_config(spec: CacheSpec, repo: ReferenceRepository | None) -> CacheConfig | None:
+    """The engine-side cache parameters: rho_p from the profile, rho_n and the step groups from the
+    repository (its masks were built for them)."""
+    if repo is None:
+        return None
+    return CacheConfig(rho_p=spec.rho_p, rho_n=repo.meta.rho_n, groups=tuple(tuple(g) for g in repo.meta.mask_groups))
+
+
+def manager_config(spec: CacheSpec, repo: ReferenceRepository, arm_slices: tuple[tuple[int, int], ...] = ()) -> ManagerConfig:
+    return ManagerConfig(retrieval=RetrievalConfig(history_len=repo.meta.history_len, arm_slices=arm_slices),
+                         window=WindowConfig(episodes=spec.episodes, lookahead=spec.lookahead),
+                         memory_budget_bytes=spec.memory_budget_mb << 20)
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_policy(checkpoint: str | Path, engine: EngineSpec, cameras: Sequence[str]) -> Pi05Policy:
+    """The model as the profile's engine section says (dtype, device, threads); on CPU the nodes map
+    one shared file of fused weights instead of holding a copy each (``share_weights``)."""
+    if engine.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"engine.device is {engine.device!r} but no CUDA device is available to this process; "
+                         "set engine.device: cpu in the profile")
+    if engine.threads:
+        torch.set_num_threads(engine.threads)
+    return Pi05Policy.from_checkpoint(checkpoint, camera_names=list(cameras), dtype=DTYPES[engine.dtype],
+                                      device=engine.device, share_weights=engine.share_weights and engine.device == "cpu")
+
+
+def _attach_working_set(name: str) -> WorkingSetReader | None:
+    try:
+        ring = RingBuffer.attach(name, RingBuffer.peek_layout(name))
+    except (RingBufferError, OSError) as e:
+        log.warning("working set %r not readable (%s): dense until the cache manager is up", name, e)
+        return None
+    return WorkingSetReader(ring)
+
+
+# ---------------------------------------------------------------- vision
+
+class VisionStage:
+    """Images + a prefix request -> a prefix slot (with the Context Cache when a reference comes)."""
+
+    def __init__(self, policy: Pi05Policy, rings: RingNames = RingNames(), slots: int = 4,
+                 cache: CacheConfig | None = None):
+        self.worker = VisionWorker(policy, cache)
+        self.rings = rings
+        self.prefix = RingBuffer.create(rings.prefix, prefix_layout(self.worker.spec), slots, replace_stale=True)
+        self.query: RingBuffer | None = None
+        if cache is not None:
+            self.query = RingBuffer.create(rings.query, query_layout(policy.engine.cfg), 2, replace_stale=True)
+        self.working_set: WorkingSetReader | None = None
+        self.last_choice: ReferenceChoice | None = None
+        self.last_timer: PhaseTimer | None = None
+
+    def encode(self, req: PrefixRequestNote, images: dict[str, np.ndarray],
+               ask: Callable[[QueryNote], ReferenceChoice | None] | None = None) -> SlotNote:
+        """One call's prefix. ``ask`` sends the query to the cache manager and returns its answer
+        (None: no answer in time); without a cache, or without an answer, the prefill is dense."""
+        timer = PhaseTimer(self.worker.engine.device)
+        obs = Observation(images=images, state=list(req.state), task=req.task)
+        vp = self.worker.embed(obs, timer)
+        reference, at = None, (-1, -1)
+        self.last_choice = None
+        if self.query is not None and ask is not None:
+            with timer.phase("retrieve"):
+                choice = ask(self._write_query(req, vp.features))
+                self.last_choice = choice
+                if choice is not None and choice.found and choice.request_seq == req.request_seq:
+                    if self.working_set is None:
+                        self.working_set = _attach_working_set(self.rings.working_set)
+                    if self.working_set is not None:
+                        reference = self.working_set.read_entry(choice.slot, choice.seq)
+                        at = (choice.slot, choice.seq) if reference is not None else at
+        with self.prefix.begin_write() as writer:
+            meta = self.worker.prefill(vp, req.state, {k: writer[k] for k in ("k", "v", "retrieval", "state")},
+                                       observation_seq=req.request_seq, stamp_ns=time.monotonic_ns(),
+                                       reference=reference, ref_at=at, timer=timer)
+            slot, seq = writer.commit({**meta.as_dict(), "request_seq": int(req.request_seq),
+                                       "start_tick": int(req.start_tick)})
+        self.last_timer = timer
+        return SlotNote(self.prefix.name, slot, seq)
+
+    def _write_query(self, req: PrefixRequestNote, features: Tensor) -> QueryNote:
+        assert self.query is not None
+        rows = features.flatten(0, 1)
+        state = np.asarray(req.state, dtype=np.float32).reshape(-1)
+        if state.size > MAX_STATE:
+            raise ValueError(f"state has {state.size} values, at most {MAX_STATE} are supported")
+        with self.query.begin_write() as wr:
+            wr["features"][: rows.shape[0]].copy_(rows)
+            wr["state"][: state.size].copy_(torch.from_numpy(state))
+            slot, seq = wr.commit({"rows": int(rows.shape[0]), "state_dim": int(state.size)})
+        return QueryNote(req.request_seq, req.task, slot, seq)
+
+    def heartbeat(self) -> None:
+        self.prefix.heartbeat()
+        if self.query is not None:
+            self.query.heartbeat()
+
+    def close(self) -> None:
+        for ring in (self.prefix, self.query, None if self.working_set is None else self.working_set.ring):
+            if ring is not None:
+                ring.close()
+
+
+# ---------------------------------------------------------------- cache manager
+
+class CacheStage:
+    """Queries -> references, and the working set's upkeep between calls."""
+
+    def __init__(self, policy: Pi05Policy, spec: CacheSpec, rings: RingNames = RingNames(),
+                 arm_slices: tuple[tuple[int, int], ...] = ()):
+        self.rings = rings
+        self.disabled_reason = ""
+        self.worker: CacheWorker | None = None
+        self.working_set: RingBuffer | None = None
+        self.query: RingBuffer | None = None
+        self.query_buf: dict[str, Tensor] | None = None
+        self.cfg = policy.engine.cfg
+        repo = open_repository_meta(spec, policy)
+        if repo is None:
+            self.disabled_reason = "cache disabled in the profile" if not spec.enabled else "repository refused"
+            return
+        try:   # full open: hashes every episode file once (bit rot is caught before the robot moves)
+            repo = ReferenceRepository.open(repo.root, expect_checkpoint_hash=policy.checkpoint_hash,
+                                            expect_model=model_summary(self.cfg))
+        except (RepositoryError, OSError) as e:
+            self.disabled_reason = f"repository refused: {e}"
+            log.warning("muscle-memory cache disabled, running dense: %s", e)
+            return
+        cc = cache_config(spec, repo)
+        mcfg = manager_config(spec, repo, arm_slices)
+        slots = mcfg.window.capacity + max((len(repo.episodes(t)) for t in repo.tasks()), default=0)
+        layout = working_set_layout(self.cfg, len(cc.groups), cc.mask_size(self.cfg.expert.mlp_dim), policy.engine.dtype)
+        self.working_set = RingBuffer.create(rings.working_set, layout, max(slots, 1), replace_stale=True)
+        try:
+            manager = CacheManager(policy.engine.model, repo, mcfg, entries=SharedEntryStore(self.working_set))
+        except ValueError as e:
+            self.working_set.close()
+            self.working_set = None
+            self.disabled_reason = f"repository unusable: {e}"
+            log.warning("muscle-memory cache disabled, running dense: %s", e)
+            return
+        self.worker = CacheWorker(manager)
+
+    @property
+    def enabled(self) -> bool:
+        return self.worker is not None
+
+    def disable(self, reason: str) -> None:
+        """Answer dense from now on (the repository or the working set became unusable)."""
+        self.worker, self.disabled_reason = None, reason
+
+    def answer(self, q: QueryNote) -> ReferenceChoice:
+        """The reference for one query (dense, with the reason, whenever something is off)."""
+        if self.worker is None:
+            return ReferenceChoice(q.request_seq, reason=self.disabled_reason)
+        if self.query is None:
+            try:
+                self.query = RingBuffer.attach(self.rings.query, query_layout(self.cfg))
+            except (RingBufferError, OSError) as e:
+                return ReferenceChoice(q.request_seq, reason=f"query ring: {e}")
+            self.query_buf = {f.name: torch.zeros(f.shape, dtype=f.dtype) for f in self.query.layout.fields}
+        info = self.query.read(q.slot, q.seq, self.query_buf)
+        if info is None or not isinstance(info.meta, dict):
+            return ReferenceChoice(q.request_seq, reason="query overwritten before it was read")
+        rows, dim = int(info.meta["rows"]), int(info.meta["state_dim"])
+        try:
+            return self.worker.query(q.request_seq, q.task, self.query_buf["features"][:rows],
+                                     self.query_buf["state"][:dim].numpy())
+        except (ValueError, RuntimeError) as e:   # a query the repository cannot serve: this call runs dense
+            return ReferenceChoice(q.request_seq, reason=f"query refused: {e}")
+
+    def upkeep(self, time_available_s: float | None = None) -> None:
+        """Slide the working set after a call (overlaps the robot executing the chunk)."""
+        if self.worker is not None and self.worker.manager.task is not None:
+            self.worker.prepare(time_available_s)
+
+    def heartbeat(self) -> None:
+        if self.working_set is not None:
+            self.working_set.heartbeat()
+
+    def close(self) -> None:
+        for ring in (self.working_set, self.query):
+            if ring is not None:
+                ring.close()
+
+
+# ---------------------------------------------------------------- policy
+
+@dataclass(frozen=True)
+class ChunkResult:
+    request_seq: int
+    start_tick: int
+    chunk: np.ndarray        # [chunk, action_dim] robot units
+    used_reference: bool     # denoised with a reference's masks (Action Cache)
+    meta: PrefixMeta
+
+
+class PolicyStage:
+    """Prefix slots -> action chunks (Action Cache when the slot names a reference)."""
+
+    def __init__(self, policy: Pi05Policy, rings: RingNames = RingNames(), cache: CacheConfig | None = None,
+                 seed: int = 0):
+        self.worker = PolicyWorker(policy, cache)
+        self.rings = rings
+        self.seed = seed
+        self.layout = prefix_layout(PrefixSlotSpec.for_config(policy.engine.cfg, policy.engine.dtype))
+        self.slot_buf = {f.name: torch.zeros(f.shape, dtype=f.dtype) for f in self.layout.fields}
+        self.prefix: RingBuffer | None = None
+        self.working_set: WorkingSetReader | None = None
+        self.masks_missed = 0
+
+    def generator(self, request_seq: int) -> torch.Generator:
+        """Noise of call n: seed * 1000003 + n (reproducible chunks, whatever process runs them)."""
+        return torch.Generator().manual_seed(self.seed * 1_000_003 + request_seq)
+
+    def act(self, note: SlotNote) -> ChunkResult | None:
+        """Denoise the announced slot; None when it was overwritten before it was read."""
+        if self.prefix is None:
+            self.prefix = RingBuffer.attach(note.ring, self.layout)   # refused layouts raise, with the diff
+        info = self.prefix.read(note.slot, note.seq, self.slot_buf)
+        if info is None or not isinstance(info.meta, dict):
+            return None
+        meta = PrefixMeta.from_dict(info.meta)
+        request_seq = int(info.meta["request_seq"])
+        masks = self._masks(meta)
+        chunk = self.worker.act(self.slot_buf, meta, generator=self.generator(request_seq), masks=masks)
+        return ChunkResult(request_seq, int(info.meta["start_tick"]), chunk, self.worker.last_used_masks, meta)
+
+    def _masks(self, meta: PrefixMeta) -> Tensor | None:
+        if meta.ref_slot < 0 or self.worker.buffers is None:
+            return None
+        if self.working_set is None:
+            self.working_set = _attach_working_set(self.rings.working_set)
+        masks = None if self.working_set is None else self.working_set.read_masks(meta.ref_slot, meta.ref_seq)
+        if masks is None:   # the entry left the window since the vision stage used it: dense denoising
+            self.masks_missed += 1
+        return masks
+
+    def close(self) -> None:
+        for ring in (self.prefix, None if self.working_set is None else self.working_set.ring):
+            if ring is not None:
+                ring.close()
