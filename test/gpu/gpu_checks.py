@@ -398,17 +398,27 @@ def time_engine(engine, inputs, noise, plan: Plan, select=None) -> dict:
             "referenced": out.reference is not None}
 
 
-def time_dense(dense, inputs, noise, plan: Plan, row: dict) -> dict:
-    """The dense engine, with its CUDA graph of the denoising loop when it captures; if capture
-    fails (never run on a GPU before this script), the error is recorded and the loop runs eagerly."""
+def time_captured(engine, inputs, noise, plan: Plan, row: dict, name: str, select=None) -> dict:
+    """An engine with its captured phases (CUDA graphs of vision, prefill and the denoising loop,
+    cached paths included); if capture fails (never run on a GPU before this script), the error
+    is recorded and the engine runs eagerly from then on."""
     try:
-        return time_engine(dense, inputs, noise, plan)
+        return time_engine(engine, inputs, noise, plan, select)
     except Exception as e:
-        if not dense.cuda_graphs:
+        if not engine.cuda_graphs:
             raise
-        row["cuda_graph_error"] = f"{type(e).__name__}: {e}"
-        dense.cuda_graphs, dense._graph = False, None
-        return time_engine(dense, inputs, noise, plan)
+        row[f"{name}_cuda_graph_error"] = f"{type(e).__name__}: {e}"
+        engine.disable_graphs()
+        return time_engine(engine, inputs, noise, plan, select)
+
+
+def time_eager(engine, inputs, noise, plan: Plan, select=None) -> dict:
+    """The same engine with its graphs switched off for these calls (same model, same caches)."""
+    graphs, engine.graphs = engine.graphs, None
+    try:
+        return time_engine(engine, inputs, noise, plan, select)
+    finally:
+        engine.graphs = graphs
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -431,22 +441,29 @@ def latency_for_cameras(model, dense, cached, cams: int, plan: Plan, kernel_ok: 
     noise = dense.make_noise(1, torch.Generator().manual_seed(cams))
     select = lambda features, inputs: entry  # noqa: E731
     row: dict[str, Any] = {"cameras": cams, "prefix_tokens": cams * cfg.num_image_tokens + min(64, cfg.max_token_len)}
-    row["dense"] = time_dense(dense, cur, noise, plan, row)
+    row["dense"] = time_captured(dense, cur, noise, plan, row, "dense")
+    row["dense_eager"] = time_eager(dense, cur, noise, plan)
     with kernels.use_backend("torch"):
-        row["cached_torch"] = time_engine(cached, cur, noise, plan, select)
+        row["cached_torch"] = time_captured(cached, cur, noise, plan, row, "cached", select)
+        row["cached_torch_eager"] = time_eager(cached, cur, noise, plan, select)
     if kernel_ok:
         with kernels.use_backend("cupy"):
-            row["cached_cupy"] = time_engine(cached, cur, noise, plan, select)
+            row["cached_cupy"] = time_captured(cached, cur, noise, plan, row, "cached_cupy", select)
     p = row["prefix_tokens"]
     row["useful_gflop_dense"] = {"vision": vision_flops(cfg, cams) / 1e9, "prefill": prefill_flops(cfg, p) / 1e9,
                                  "denoise": denoise_flops(cfg, p) / 1e9}
-    actions = {k: row[k].pop("actions") for k in ("dense", "cached_torch", "cached_cupy") if k in row}
+    kinds = ("dense", "dense_eager", "cached_torch", "cached_torch_eager", "cached_cupy")
+    actions = {k: row[k].pop("actions") for k in kinds if k in row}
     row["deviation"] = {f"{k}_vs_dense_relative_l2": _relative(v, actions["dense"])
                         for k, v in actions.items() if k != "dense"}
+    row["deviation"]["cached_graph_vs_eager_relative_l2"] = _relative(actions["cached_torch"],
+                                                                      actions["cached_torch_eager"])
     if "cached_cupy" in actions:
         row["deviation"]["cupy_vs_torch_cached_relative_l2"] = _relative(actions["cached_cupy"],
                                                                          actions["cached_torch"])
     row["speedup_vs_dense"] = {k: _speedup(row["dense"], row[k]) for k in ("cached_torch", "cached_cupy") if k in row}
+    row["speedup_graphs_vs_eager"] = {"dense": _speedup(row["dense_eager"], row["dense"]),
+                                      "cached_torch": _speedup(row["cached_torch_eager"], row["cached_torch"])}
     return row
 
 
@@ -470,7 +487,7 @@ def check_latency(plan: Plan, report: Report) -> dict:
     with kernels.use_backend("auto"):
         kernel_ok = not plan.dry_run and kernels.kernel_backend().name == "cupy"
     out: dict[str, Any] = {"preset": plan.preset, "dtype": plan.dtype, "device": plan.device,
-                           "model_build_s": time.monotonic() - t0, "cuda_graphs_dense_requested": dense.cuda_graphs,
+                           "model_build_s": time.monotonic() - t0, "cuda_graphs_requested": dense.cuda_graphs,
                            "kernels_compared": kernel_ok, "configs": [], "errors": []}
     for cams in plan.cameras:
         if cams > model.cfg.num_cameras:
@@ -481,7 +498,7 @@ def check_latency(plan: Plan, report: Report) -> dict:
             continue
         out["configs"].append(latency_for_cameras(model, dense, cached, cams, plan, kernel_ok))
         report.record("latency", {"status": "running", "result": out})  # partial figures survive a timeout
-    out["cuda_graphs_dense_used"] = dense.cuda_graphs
+    out["cuda_graphs_used"] = {"dense": dense.cuda_graphs, "cached": cached.cuda_graphs}
     if out["errors"]:
         out["failed"] = "; ".join(out["errors"])
     return out

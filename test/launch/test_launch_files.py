@@ -55,5 +55,5 @@ def test_launch_file_refers_only_to_what_exists(path: Path):
 
 
 def test_every_robot_profile_has_a_launch_file():
-    profiles = {p.stem for p in (ROOT / "config").glob("*.yaml")} - {"engine"}
+    profiles = {p.stem for p in (ROOT / "config").glob("*.yaml")}
     assert profiles == {p.name.removesuffix(".launch.py") for p in LAUNCH}

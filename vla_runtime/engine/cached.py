@@ -18,7 +18,7 @@ from ..cache.entry import PreparedEntry
 from ..cache.masks import DEFAULT_GROUPS, Groups, validate_groups
 from ..models.gemma import DenoiseFFN, PrefillFFN
 from ..models.pi05 import Pi05Model
-from .dense import DenseEngine, ModelInputs
+from .dense import DenseEngine, ModelInputs, StaticFFN, _no_ffn
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,9 @@ class CachedEngine(DenseEngine):
         k = cache.mask_size(model.cfg.expert.mlp_dim)
         self.buffers = ActionCacheBuffers(model.cfg, k, self.dtype, self.device)
         self.last_context: ContextCache | None = None
+        self._static_entry: PreparedEntry | None = None     # captured phases: the reference's copy
+        self._static_masks: Tensor | None = None
+        self._contexts: dict[tuple, ContextCache] = {}
 
     def usable(self, entry: PreparedEntry, inputs: ModelInputs) -> bool:
         return same_camera_layout(entry, inputs.image_mask)
@@ -64,10 +67,52 @@ class CachedEngine(DenseEngine):
         self.last_context = ContextCache(reference, self.cache.rho_p)
         return self.last_context
 
+    # ------------------------------------------------------------ captured phases (static buffers)
+    def _prefill_ffn_static(self, reference: object | None, inputs: ModelInputs) -> StaticFFN:
+        """The Context Cache over a static copy of the reference: the captured prefill reads the
+        reference from there, so each call copies its own reference in first."""
+        self.last_context = None
+        if not (self.cache.context_cache and isinstance(reference, PreparedEntry) and self.usable(reference, inputs)):
+            return None, _no_ffn
+        pv = reference.visual_tokens
+        s = self._static_reference()
+        s.ffn_in[:, :pv].copy_(reference.ffn_in)
+        s.ffn_out[:, :pv].copy_(reference.ffn_out)
+        s.image_mask.copy_(reference.image_mask)
+        key = ("context", pv)
+        self.last_context = self._contexts.get(key)
+
+        def build() -> ContextCache:   # once per captured shape; replays reuse it over the static copy
+            view = PreparedEntry(reference.key, s.ffn_in[:, :pv], s.ffn_out[:, :pv], s.image_mask, None)
+            self.last_context = self._contexts[key] = ContextCache(view, self.cache.rho_p)
+            return self.last_context
+        return key, build
+
+    def _denoise_ffn_static(self, reference: object | None) -> StaticFFN:
+        if not (self.cache.action_cache and isinstance(reference, PreparedEntry) and reference.masks is not None):
+            return None, _no_ffn
+        masks = self._check_masks(reference.masks)
+        if self._static_masks is None:
+            self._static_masks = torch.empty_like(masks, device=self.device)
+        self._static_masks.copy_(masks)
+        return ("action",), lambda: ActionCache(self.buffers, self._static_masks, self.cache.groups, self.cfg.num_steps)
+
+    def _static_reference(self) -> PreparedEntry:
+        if self._static_entry is None:
+            cfg = self.cfg
+            shape = (cfg.vlm.depth - 1, cfg.num_cameras * cfg.num_image_tokens, cfg.vlm.width)
+            self._static_entry = PreparedEntry(("static", -1), torch.empty(shape, dtype=self.dtype, device=self.device),
+                                               torch.empty(shape, dtype=self.dtype, device=self.device),
+                                               torch.empty(cfg.num_cameras, dtype=torch.bool, device=self.device), None)
+        return self._static_entry
+
+    def _check_masks(self, masks: Tensor) -> Tensor:
+        if masks.shape[-1] != self.buffers.k:
+            raise ValueError(f"reference masks hold {masks.shape[-1]} neurons, the engine expects "
+                             f"{self.buffers.k} (rho_n={self.cache.rho_n}); rebuild the repository's masks")
+        return masks
+
     def _denoise_ffn(self, reference: object | None) -> DenoiseFFN | None:
         if not (self.cache.action_cache and isinstance(reference, PreparedEntry) and reference.masks is not None):
             return None
-        if reference.masks.shape[-1] != self.buffers.k:
-            raise ValueError(f"reference masks hold {reference.masks.shape[-1]} neurons, the engine expects "
-                             f"{self.buffers.k} (rho_n={self.cache.rho_n}); rebuild the repository's masks")
-        return ActionCache(self.buffers, reference.masks, self.cache.groups, self.cfg.num_steps)
+        return ActionCache(self.buffers, self._check_masks(reference.masks), self.cache.groups, self.cfg.num_steps)

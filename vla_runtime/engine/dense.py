@@ -1,20 +1,21 @@
 """The dense (exact) engine: one pi0.5 call from model-ready tensors to an action chunk.
 
 Who decides vs who computes: this engine decides the schedule (phases, batch capacity, noise,
-whether the denoising loop replays a CUDA graph); ``Pi05Model`` computes. The cached engine of
+whether a phase replays a captured CUDA graph); ``Pi05Model`` computes. The cached engine of
 the muscle-memory cache swaps individual phases and keeps this contract.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Hashable, Protocol
 
 import torch
 from torch import Tensor
 
 from ..models.gemma import DenoiseFFN, PrefillFFN
 from ..models.pi05 import Pi05Model, Prefix
+from .graphs import Backend, GraphCache
 from .timing import PhaseTimer, PhaseTimes
 
 
@@ -66,10 +67,17 @@ class ReferenceSelector(Protocol):
 
 
 class DenseEngine:
-    """Exact pi0.5 inference: vision, prefill once, denoise over static buffers."""
+    """Exact pi0.5 inference: vision, prefill once, denoise over static buffers.
+
+    With ``cuda_graphs`` (default on a CUDA device) every phase is captured per static shape and
+    replayed (``engine.graphs``): vision per camera count, prefill per prefix layout, the whole
+    denoising loop per prefix length; the cached engine's Context and Action Caches are captured
+    too (fixed rho, so their shapes are static). ``graph_backend="eager"`` runs the same capture
+    discipline without CUDA (tests).
+    """
 
     def __init__(self, model: Pi05Model, max_batch: int = 1, tap_retrieval_features: bool = False,
-                 cuda_graphs: bool | None = None):
+                 cuda_graphs: bool | None = None, graph_backend: Backend | None = None, graph_capacity: int = 8):
         self.model = model.eval().requires_grad_(False)
         self.cfg = model.cfg
         p = next(model.parameters())
@@ -77,8 +85,19 @@ class DenseEngine:
         self.max_batch = max_batch
         self.tap_layer = self.cfg.retrieval_layer if tap_retrieval_features else None
         model.setup_caches(max_batch)
-        self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
-        self._graph: _DenoiseGraph | None = None
+        use = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
+        backend = graph_backend or ("cuda" if self.device.type == "cuda" else "eager")
+        self.graphs: GraphCache | None = GraphCache(backend, self.device, graph_capacity) if use else None
+        self._static: dict[str, Tensor] = {}
+
+    @property
+    def cuda_graphs(self) -> bool:
+        return self.graphs is not None
+
+    def disable_graphs(self) -> None:
+        """Run eagerly from now on (e.g. after a capture failed on a new driver)."""
+        self.graphs = None
+        self._static.clear()
 
     def make_noise(self, batch: int, generator: torch.Generator | None = None) -> Tensor:
         return torch.randn(batch, self.cfg.chunk_size, self.cfg.action_dim, generator=generator,
@@ -98,7 +117,7 @@ class DenseEngine:
         timer = PhaseTimer(self.device)
         m = self.model
         with timer.phase("vision"):
-            image_tokens, tapped = m.embed_images(inputs.images.to(self.device), self.tap_layer)
+            image_tokens, tapped = self._vision(inputs.images.to(self.device))
         reference = None
         if select is not None:
             with timer.phase("retrieve"):
@@ -106,11 +125,12 @@ class DenseEngine:
         with timer.phase("prefill"):
             prefix = m.build_prefix(image_tokens.to(self.dtype), inputs.image_mask.to(self.device),
                                     inputs.tokens.to(self.device), inputs.token_mask.to(self.device))
-            m.prefill(prefix, ffn=self._prefill_ffn(reference, inputs))
+            self._prefill(prefix, reference, inputs)
         with timer.phase("denoise"):
             actions = self._denoise(prefix, noise, reference)
         return EngineOutput(actions, timer.times, tapped, reference)
 
+    # ------------------------------------------------------------ hooks of the cached engine
     def _prefill_ffn(self, reference: object | None, inputs: ModelInputs) -> PrefillFFN | None:
         """The dense engine runs every FFN; cached engines substitute the Context Cache here."""
         return None
@@ -119,48 +139,92 @@ class DenseEngine:
         """The dense engine runs every FFN; cached engines substitute the Action Cache here."""
         return None
 
+    def _prefill_ffn_static(self, reference: object | None, inputs: ModelInputs) -> StaticFFN:
+        """For a captured prefill: (key, builder) of an FFN over static buffers, which the cached
+        engine refills with this call's reference first. Dense: no FFN."""
+        return None, _no_ffn
+
+    def _denoise_ffn_static(self, reference: object | None) -> StaticFFN:
+        """For a captured denoising loop: as ``_prefill_ffn_static``."""
+        return None, _no_ffn
+
+    # ------------------------------------------------------------ phases
+    def _vision(self, images: Tensor) -> tuple[Tensor, Tensor | None]:
+        m = self.model
+        if self.graphs is None:
+            return m.embed_images(images, self.tap_layer)
+        static = self._buffer(f"images{tuple(images.shape)}", images)
+        phase = self.graphs.get(("vision", tuple(images.shape)), lambda: lambda: m.embed_images(static, self.tap_layer))
+        static.copy_(images)
+        tokens, tapped = phase.replay()
+        # the features outlive this call (retrieval, the caller): not the graph's output buffer
+        return tokens, None if tapped is None else tapped.clone()
+
+    def _prefill(self, prefix: Prefix, reference: object | None, inputs: ModelInputs) -> None:
+        m = self.model
+        if self.graphs is None:
+            m.prefill(prefix, ffn=self._prefill_ffn(reference, inputs))
+            return
+        ffn_key, build_ffn = self._prefill_ffn_static(reference, inputs)
+        bias = prefix.key_bias is not None
+        shape = (tuple(prefix.embeds.shape), prefix.start, bias)
+        static = self._static_prefix(prefix, shape)
+
+        def build():
+            ffn = build_ffn()
+            return lambda: m.prefill(static, ffn=ffn)
+        phase = self.graphs.get(("prefill", shape, ffn_key), build)
+        self._fill_prefix(static, prefix)
+        phase.replay()
+
     def _denoise(self, prefix: Prefix, noise: Tensor, reference: object | None = None) -> Tensor:
-        ffn = self._denoise_ffn(reference)
-        if ffn is not None or not self.cuda_graphs:
-            return self.model.denoise(prefix, noise, ffn=ffn)
-        if self._graph is None or not self._graph.matches(prefix, noise):
-            self._graph = _DenoiseGraph(self.model, prefix, noise)
-        return self._graph.replay(prefix, noise)
+        m = self.model
+        if self.graphs is None:
+            return m.denoise(prefix, noise, ffn=self._denoise_ffn(reference))
+        ffn_key, build_ffn = self._denoise_ffn_static(reference)
+        bias = prefix.key_bias is not None
+        b = noise.shape[0]
+        key = ("denoise", b, prefix.length, bias, ffn_key)
+        static_noise = self._buffer(f"noise{b}", noise)
+        valid_len = self._buffer(f"valid_len{b}", prefix.valid_len)
+        key_bias = self._buffer(f"denoise_bias{b},{prefix.length}", prefix.key_bias) if bias else None
+        stub = Prefix(torch.empty(b, prefix.length, 0, device=self.device), prefix.positions, key_bias, valid_len)
+
+        def build():
+            ffn = build_ffn()
+            return lambda: m.denoise(stub, static_noise, ffn=ffn)
+        phase = self.graphs.get(key, build)
+        static_noise.copy_(noise)
+        valid_len.copy_(prefix.valid_len)
+        if key_bias is not None:
+            key_bias.copy_(prefix.key_bias)
+        return phase.replay().clone()
+
+    # ------------------------------------------------------------ static buffers
+    def _buffer(self, name: str, like: Tensor) -> Tensor:
+        """A persistent buffer shaped like ``like`` (made once per name; graphs read its address)."""
+        t = self._static.get(name)
+        if t is None:
+            t = self._static[name] = torch.empty_like(like, device=self.device)
+        return t
+
+    def _static_prefix(self, prefix: Prefix, shape: Hashable) -> Prefix:
+        tag = f"prefix{shape}"
+        return Prefix(self._buffer(tag + "embeds", prefix.embeds), self._buffer(tag + "positions", prefix.positions),
+                      None if prefix.key_bias is None else self._buffer(tag + "bias", prefix.key_bias),
+                      self._buffer(tag + "valid_len", prefix.valid_len), prefix.start)
+
+    @staticmethod
+    def _fill_prefix(static: Prefix, prefix: Prefix) -> None:
+        static.embeds.copy_(prefix.embeds)
+        static.positions.copy_(prefix.positions)
+        static.valid_len.copy_(prefix.valid_len)
+        if static.key_bias is not None:
+            static.key_bias.copy_(prefix.key_bias)
 
 
-class _DenoiseGraph:
-    """A CUDA graph of the whole denoising loop for one (batch, prefix length, mask) shape.
+StaticFFN = tuple[Hashable, Callable[[], object | None]]
 
-    The loop's inputs are the noise and the prefix's valid lengths/key mask; its outputs the
-    actions. Replaying costs one launch instead of thousands of kernel launches. Only built on a
-    CUDA device.
-    """
 
-    def __init__(self, model: Pi05Model, prefix: Prefix, noise: Tensor):
-        self.model = model
-        self.noise = noise.clone()
-        self.valid_len = prefix.valid_len.clone()
-        self.key_bias = None if prefix.key_bias is None else prefix.key_bias.clone()
-        self.length = prefix.length
-        self._prefix = Prefix(torch.empty(prefix.embeds.shape[0], self.length, 0, device=noise.device),
-                              prefix.positions, self.key_bias, self.valid_len)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up outside the graph
-            model.denoise(self._prefix, self.noise)
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.out = model.denoise(self._prefix, self.noise)
-
-    def matches(self, prefix: Prefix, noise: Tensor) -> bool:
-        same_mask = (prefix.key_bias is None) == (self.key_bias is None)
-        return same_mask and prefix.length == self.length and noise.shape == self.noise.shape
-
-    def replay(self, prefix: Prefix, noise: Tensor) -> Tensor:
-        self.noise.copy_(noise)
-        self.valid_len.copy_(prefix.valid_len)
-        if self.key_bias is not None:
-            self.key_bias.copy_(prefix.key_bias)
-        self.graph.replay()
-        return self.out.clone()
+def _no_ffn() -> None:
+    return None
