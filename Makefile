@@ -10,10 +10,10 @@ STAMP  := $(VENV)/.installed
 
 setup: $(STAMP)
 
-$(STAMP): requirements.txt requirements-dev.txt setup.py
+$(STAMP): requirements.txt requirements-dev.txt requirements-sim.txt setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0 -r requirements.txt -r requirements-dev.txt
+	$(PY) -m pip install -q torch==2.13.0 -r requirements.txt -r requirements-dev.txt -r requirements-sim.txt
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 

@@ -237,6 +237,35 @@ class Episode:
         return self.task if instruction is None else instruction
 
 
+@dataclass(frozen=True)
+class JointSeries:
+    """A ``JointState`` stream at its own rate, beside the episode's call-rate frames.
+
+    Why: a policy call sees one frame, but it is trained on the *commands* that followed it,
+    and a robot publishes those at its control rate, not at the call rate. Recording them as a
+    separate topic (positions = the commanded values) keeps the bag what a robot records, and
+    lets a trainer recover the chunk of actions after any call from the log times.
+    ``t`` is seconds since the episode start (same clock as ``EpisodeFrame.t``).
+    """
+
+    t: np.ndarray          # [N] seconds, strictly increasing
+    values: np.ndarray     # [N, D] float
+    names: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        t = np.asarray(self.t, dtype=np.float64)
+        v = np.asarray(self.values, dtype=np.float64)
+        if t.ndim != 1 or v.ndim != 2 or v.shape[0] != t.shape[0] or t.size == 0:
+            raise ValueError(f"JointSeries needs t [N] and values [N, D], got {t.shape} and {v.shape}")
+        if len(self.names) != v.shape[1]:
+            raise ValueError(f"JointSeries has {v.shape[1]} columns but {len(self.names)} names")
+        if np.any(np.diff(t) <= 0) or t[0] < 0 or not np.all(np.isfinite(v)):
+            raise ValueError("JointSeries times must be >= 0 and increasing, values finite")
+        object.__setattr__(self, "t", t)
+        object.__setattr__(self, "values", v)
+        object.__setattr__(self, "names", tuple(self.names))
+
+
 # --------------------------------------------------------------------------------------------
 # Writing
 # --------------------------------------------------------------------------------------------
@@ -255,6 +284,7 @@ def write_episode_bag(
     joint_layout: Mapping[str, Sequence[str]] | None = None,
     instruction_period: float | None = None,
     start_time_ns: int = DEFAULT_START_TIME_NS,
+    series: Mapping[str, JointSeries] | None = None,
 ) -> None:
     """Write ``episode`` as a rosbag2 bag directory at ``path`` (which must not exist yet).
 
@@ -275,6 +305,9 @@ def write_episode_bag(
     their drivers do, and readers must cope. A joint listed for no topic is not recorded (a bag
     the reader must refuse). Default: every joint in state order on the single joint-state
     topic; several joint-state topics need a layout.
+
+    ``series`` adds ``JointState`` topics at their own times (topic -> :class:`JointSeries`),
+    e.g. the commanded action at every control tick; read them back with ``read_joint_series``.
     """
     path = Path(path)
     if storage not in _STORAGES:
@@ -303,6 +336,11 @@ def write_episode_bag(
     if len(names) != episode.state_dim:
         raise ValueError(f"got {len(names)} joint names for a {episode.state_dim}-dim state")
     layout = _joint_layout(topics.joint_states, names, joint_layout)
+    series = dict(series or {})
+    for topic in series:
+        _check_topic_name(topic, "series")
+        if topic in topics.all_topics():
+            raise ValueError(f"series topic {topic} is already used by the episode's topics")
     if path.exists():
         raise FileExistsError(f"{path} exists already; rosbag2 writers only create new bags")
 
@@ -352,6 +390,12 @@ def write_episode_bag(
                 header=header(ns, ""), name=[names[c] for c in columns],
                 position=fr.state[columns].astype(np.float64),
                 velocity=np.zeros(0, dtype=np.float64), effort=np.zeros(0, dtype=np.float64)))
+    for topic, ser in series.items():
+        for t, row in zip(ser.t, ser.values):
+            ns = stamp_ns(float(t))
+            add(ns, topic, t_[JOINT_STATE_TYPE](
+                header=header(ns, ""), name=list(ser.names), position=row.astype(np.float64),
+                velocity=np.zeros(0, dtype=np.float64), effort=np.zeros(0, dtype=np.float64)))
     if episode.success is not None:
         assert topics.outcome is not None
         add(stamp_ns(episode.frames[-1].t), topics.outcome,
@@ -363,6 +407,7 @@ def write_episode_bag(
     msgtypes.update({topic: image_type for topic in topics.cameras.values()})
     if topics.outcome is not None and episode.success is not None:
         msgtypes[topics.outcome] = STRING_TYPE
+    msgtypes.update({topic: JOINT_STATE_TYPE for topic in series})
     with Writer(path, version=BAG_FORMAT_VERSION, storage_plugin=_STORAGES[storage]) as writer:
         conns = {topic: writer.add_connection(topic, msgtype, typestore=typestore)
                  for topic, msgtype in msgtypes.items()}
@@ -748,6 +793,33 @@ def read_episode(
             fr.instruction = None
     name = episode_id if episode_id is not None else (path.stem if path.is_file() else path.name)
     return Episode(episode_id=name, task=task, success=success, frames=sampler.frames, source=str(path))
+
+
+def read_joint_series(path: str | Path, topic: str) -> JointSeries:
+    """Every message of one ``JointState`` topic of a bag, as a :class:`JointSeries`.
+
+    Times are log times in seconds since the bag's first message (the clock of ``read_episode``'s
+    frames), so a series written beside an episode lines up with its frames again.
+    """
+    path = Path(path)
+    typestore = get_typestore(Stores.ROS2_JAZZY)
+    with Reader(path) as reader:
+        conns = [c for c in reader.connections if c.topic == topic]
+        if not conns:
+            have = sorted({c.topic for c in reader.connections})
+            raise ValueError(f"bag {path} has no topic {topic}; it has {have}")
+        if any(c.msgtype != JOINT_STATE_TYPE for c in conns):
+            raise ValueError(f"bag {path}: topic {topic} is not {JOINT_STATE_TYPE}")
+        start = reader.start_time
+        times, rows, names = [], [], None
+        for conn, ns, raw in reader.messages(connections=conns):
+            msg = typestore.deserialize_cdr(raw, conn.msgtype)
+            times.append((ns - start) / 1e9)
+            rows.append(np.asarray(msg.position, dtype=np.float64))
+            names = tuple(msg.name) if names is None else names
+    if not rows:
+        raise ValueError(f"bag {path}: topic {topic} has no messages")
+    return JointSeries(np.asarray(times), np.stack(rows), names or ())
 
 
 def _is_bag_dir(path: Path) -> bool:
