@@ -17,7 +17,8 @@ import yaml
 from rosbags.rosbag2 import Reader
 
 from vla_runtime.cli import main
-from vla_runtime.tools.replay import (ACTION_CHUNK_TOPIC, ACTION_CHUNK_TYPE, LATENCY_TOPIC, PHASE_LATENCY_TYPE,
+from vla_runtime.tools.replay import (ACTION_CHUNK_TOPIC, ACTION_CHUNK_TYPE, DIAGNOSTICS_TOPIC, DIAGNOSTICS_TYPE,
+                                      LATENCY_TOPIC, PHASE_LATENCY_TYPE,
                                       read_action_chunks, read_replay_provenance,
                                       runtime_typestore)
 
@@ -75,17 +76,23 @@ def test_replay_matches_the_committed_golden(tmp_path: Path, checkpoint: Path, c
     assert "call 1 (t=0.500s)" in captured.err and "ok" in captured.err
 
 
-def test_output_bag_holds_one_chunk_and_one_latency_per_call(tmp_path: Path, checkpoint: Path, capsys):
+def test_output_bag_holds_one_chunk_latency_and_diagnostics_per_call(tmp_path: Path, checkpoint: Path, capsys):
     rc, out = _replay(tmp_path, "--checkpoint", str(checkpoint))
     assert rc == 0, capsys.readouterr().err
     store = runtime_typestore()
     with Reader(out) as reader:
         topics = {c.topic: (c.msgtype, c.msgcount) for c in reader.connections}
-        assert topics == {ACTION_CHUNK_TOPIC: (ACTION_CHUNK_TYPE, 2), LATENCY_TOPIC: (PHASE_LATENCY_TYPE, 2)}
+        assert topics == {ACTION_CHUNK_TOPIC: (ACTION_CHUNK_TYPE, 2), LATENCY_TOPIC: (PHASE_LATENCY_TYPE, 2),
+                          DIAGNOSTICS_TOPIC: (DIAGNOSTICS_TYPE, 2)}
         msgs = [(c.topic, ns, store.deserialize_cdr(raw, c.msgtype)) for c, ns, raw in reader.messages()]
         start = reader.start_time
     chunks = [(ns, m) for topic, ns, m in msgs if topic == ACTION_CHUNK_TOPIC]
     lats = [(ns, m) for topic, ns, m in msgs if topic == LATENCY_TOPIC]
+    diags = [m.status[0] for topic, _, m in msgs if topic == DIAGNOSTICS_TOPIC]
+    for i, (status, (_, lat)) in enumerate(zip(diags, lats)):
+        values = {kv.key: kv.value for kv in status.values}
+        assert status.name == "vla_runtime: replay" and values["call_id"] == str(i) and values["chunk_finite"] == "True"
+        assert float(values["denoise_s"]) == pytest.approx(lat.denoise, abs=1e-6)
     # Calls at 0 s and 0.5 s of bag time; log time == header stamp == the call's bag time.
     input_start = Reader(EPISODE)
     input_start.open()
@@ -149,7 +156,7 @@ def test_refuses_an_existing_output_unless_overwrite(tmp_path: Path, checkpoint:
     assert _replay(tmp_path, "--checkpoint", str(checkpoint), out=out)[0] == 0
     assert _replay(tmp_path, "--checkpoint", str(checkpoint), "--overwrite", "--storage", "mcap", out=out)[0] == 0
     with Reader(out) as reader:
-        assert reader.message_count == 4 and next(out.glob("*.mcap"), None) is not None
+        assert reader.message_count == 6 and next(out.glob("*.mcap"), None) is not None
 
 
 def _profile(tmp_path: Path, **changes) -> Path:

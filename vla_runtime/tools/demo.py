@@ -49,10 +49,28 @@ def demo_topics(cameras: tuple[str, ...]) -> BagTopics:
     return BagTopics(cameras={c: f"/cameras/{c}/image_raw" for c in cameras})
 
 
-def _prompt_corpus(task: str, state_dim: int, n: int = 800, seed: int = 0) -> list[str]:
+def _prompt_corpus(tasks: list[str], state_dim: int, n: int = 800, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
-    return [f"Task: {task}, State: {' '.join(str(rng.randint(-1, 255)) for _ in range(state_dim))};\nAction: "
-            for _ in range(n)]
+    return [f"Task: {tasks[i % len(tasks)]}, State: {' '.join(str(rng.randint(-1, 255)) for _ in range(state_dim))};"
+            "\nAction: " for i in range(n)]
+
+
+def write_random_checkpoint(ckpt: Path, cfg, tasks: list[str], states: np.ndarray, actions: np.ndarray,
+                            cameras: tuple[str, ...], seed: int = 0) -> None:
+    """A loadable checkpoint in the public layout with random weights: tokenizer trained on the
+    prompts of ``tasks``, normalisation statistics of ``states``/``actions`` ([N, D] each)."""
+    save_checkpoint(init_random_(Pi05Model(cfg), seed=seed), ckpt)
+    vocab = min(cfg.vocab_size, 400)
+    train_prompt_tokenizer(_prompt_corpus(tasks, states.shape[1]), ckpt / "tokenizer.model", vocab_size=vocab,
+                           exact_vocab=False)
+
+    def stats(x: np.ndarray) -> dict[str, torch.Tensor]:
+        t = torch.from_numpy(np.asarray(x)).float()
+        return {"mean": t.mean(0), "std": t.std(0), "min": t.min(0).values, "max": t.max(0).values,
+                "q01": torch.quantile(t, 0.01, dim=0), "q99": torch.quantile(t, 0.99, dim=0),
+                "count": torch.tensor([float(len(t))])}
+    save_lerobot_normalization(ckpt, {"observation.state": stats(states), "action": stats(actions)},
+                               camera_keys=tuple(f"observation.images.{c}" for c in cameras))
 
 
 def make_demo(out: str | Path, spec: DemoSpec = DemoSpec(), log=print) -> dict:
@@ -69,16 +87,7 @@ def make_demo(out: str | Path, spec: DemoSpec = DemoSpec(), log=print) -> dict:
 
     ckpt = out / "checkpoint"
     log(f"writing {spec.preset} checkpoint (random weights) to {ckpt} ...")
-    save_checkpoint(init_random_(Pi05Model(cfg), seed=spec.seed), ckpt)
-    vocab = min(cfg.vocab_size, 400)
-    train_prompt_tokenizer(_prompt_corpus(spec.task, scene.state_dim), ckpt / "tokenizer.model", vocab_size=vocab,
-                           exact_vocab=False)
-    t = torch.from_numpy(states).float()
-    q01, q99 = torch.quantile(t, 0.01, dim=0), torch.quantile(t, 0.99, dim=0)
-    stats = {"mean": t.mean(0), "std": t.std(0), "min": t.min(0).values, "max": t.max(0).values,
-             "q01": q01, "q99": q99, "count": torch.tensor([float(len(t))])}
-    save_lerobot_normalization(ckpt, {"observation.state": stats, "action": dict(stats)},
-                               camera_keys=tuple(f"observation.images.{c}" for c in spec.cameras))
+    write_random_checkpoint(ckpt, cfg, [spec.task], states, states, spec.cameras, seed=spec.seed)
 
     topics = demo_topics(spec.cameras)
     split = {"references": episodes[: spec.episodes - spec.held_out], "held_out": episodes[spec.episodes - spec.held_out:]}

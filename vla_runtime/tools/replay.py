@@ -60,6 +60,8 @@ PHASE_LATENCY_TYPE = "vla_runtime/msg/PhaseLatency"
 #: The topics the policy node publishes on (chunks) and diagnostics use (latency).
 ACTION_CHUNK_TOPIC = "/vla_runtime/action_chunk"
 LATENCY_TOPIC = "/vla_runtime/latency"
+DIAGNOSTICS_TOPIC = "/diagnostics"
+DIAGNOSTICS_TYPE = "diagnostic_msgs/msg/DiagnosticArray"
 
 #: Same as the policy node: call n uses ``seed * NOISE_SEED_STRIDE + n``.
 NOISE_SEED_STRIDE = 1_000_003
@@ -370,6 +372,8 @@ def write_replay_bag(path: Path, calls: list[CallResult], profile: RobotProfile,
     with writer:
         chunk_conn = writer.add_connection(ACTION_CHUNK_TOPIC, ACTION_CHUNK_TYPE, typestore=typestore)
         lat_conn = writer.add_connection(LATENCY_TOPIC, PHASE_LATENCY_TYPE, typestore=typestore)
+        diag_conn = writer.add_connection(DIAGNOSTICS_TOPIC, DIAGNOSTICS_TYPE, typestore=typestore)
+        status_cls, kv_cls = t_["diagnostic_msgs/msg/DiagnosticStatus"], t_["diagnostic_msgs/msg/KeyValue"]
         for c in calls:
             stamp = t_["builtin_interfaces/msg/Time"](sec=c.stamp_ns // 10**9, nanosec=c.stamp_ns % 10**9)
             header = t_["std_msgs/msg/Header"](stamp=stamp, frame_id="")
@@ -381,6 +385,13 @@ def write_replay_bag(path: Path, calls: list[CallResult], profile: RobotProfile,
             lat = lat_cls(header=header, call_id=c.call_id, mode="dense", **c.latency)
             writer.write(chunk_conn, c.stamp_ns, typestore.serialize_cdr(chunk, ACTION_CHUNK_TYPE))
             writer.write(lat_conn, c.stamp_ns, typestore.serialize_cdr(lat, PHASE_LATENCY_TYPE))
+            # what the nodes report per call, so a replay bag opens in the same dashboards
+            values = {"call_id": str(c.call_id), "source": "dense", "chunk_finite": str(bool(np.isfinite(c.actions).all())),
+                      **{f"{k}_s": f"{v:.6f}" for k, v in c.latency.items()}}
+            status = status_cls(level=0, name="vla_runtime: replay", message="ok", hardware_id=profile.name,
+                                values=[kv_cls(key=k, value=v) for k, v in values.items()])
+            diag = t_[DIAGNOSTICS_TYPE](header=header, status=[status])
+            writer.write(diag_conn, c.stamp_ns, typestore.serialize_cdr(diag, DIAGNOSTICS_TYPE))
 
 
 def read_action_chunks(path: str | Path, typestore: Typestore | None = None) -> list[GoldenChunk]:
