@@ -273,6 +273,31 @@ def test_crashed_writer_process_leaves_a_segment_that_replace_stale_removes(name
             assert ring.writer_pid == os.getpid()
 
 
+def test_a_restarted_writer_supersedes_the_mapping_readers_hold(name):
+    """A restarted writer numbers its payloads from 0 again: an old mapping can hold a payload with
+    the very sequence the new ring announces. ``superseded`` tells the reader to re-attach first."""
+    out = _out()
+    first = RingBuffer.create(name, LAYOUT, slots=2)
+    old = RingBuffer.attach(name, LAYOUT)
+    assert _write(first, 1) == (0, 0)
+    assert not old.superseded() and not first.superseded()
+    first._w[C.W_PID] = _dead_pid()                 # the writer crashed ...
+    assert old.superseded()
+    first._w[C.W_PID] = os.getpid()
+    first.close()                                   # ... or shut down cleanly: gone either way
+    assert old.superseded()
+    with RingBuffer.create(name, LAYOUT, slots=2) as second:
+        assert _write(second, 2) == (0, 0)          # same slot, same sequence, new payload
+        assert old.superseded()
+        assert old.read(0, 0, out) is not None and payload_matches(out, 1)   # what a stale reader would use
+        with RingBuffer.attach(name, LAYOUT) as fresh:
+            assert not fresh.superseded()
+            assert fresh.read(0, 0, out) is not None and payload_matches(out, 2)
+    old.close()
+    with pytest.raises(RingBufferError, match="closed"):
+        old.superseded()
+
+
 def test_heartbeat_and_stale_writer_detection(name):
     with RingBuffer.create(name, LAYOUT, slots=2) as writer, RingBuffer.attach(name, LAYOUT) as reader:
         assert reader.writer_alive(60.0) and reader.writer_pid == os.getpid()

@@ -22,12 +22,18 @@ NODE_SOURCES = {"vision_node": ROOT / "vla_runtime/nodes/vision_node.py",
 
 def _declared_parameters(source: Path) -> set[str]:
     """The keys of the node module's ``PARAMETERS`` table (every one is declared with its
-    description by ``params.declare_parameters``), read without importing rclpy."""
+    description by ``params.declare_parameters``), read without importing rclpy: a dict literal,
+    or one of the tables of ``vla_runtime.nodes.params`` by name."""
+    from vla_runtime.nodes import params
+
     tree = ast.parse(source.read_text())
     tables = [n.value for n in tree.body if isinstance(n, ast.Assign)
               and any(getattr(t, "id", "") == "PARAMETERS" for t in n.targets)]
-    assert len(tables) == 1 and isinstance(tables[0], ast.Dict), f"{source.name} needs one PARAMETERS dict"
-    assert "declare_parameters(self, PARAMETERS)" in source.read_text(), f"{source.name} must declare its table"
+    assert len(tables) == 1, f"{source.name} needs one PARAMETERS table"
+    assert "declare_parameters(self, PARAMETERS" in source.read_text(), f"{source.name} must declare its table"
+    if isinstance(tables[0], ast.Name):
+        return set(getattr(params, tables[0].id))
+    assert isinstance(tables[0], ast.Dict), f"{source.name}: PARAMETERS must be a dict or a table of params.py"
     return {ast.literal_eval(k) for k in tables[0].keys}
 
 

@@ -38,9 +38,11 @@ def robot(spec: dict) -> int:
                              lambda m: got.setdefault("chunk", {"call_id": m.call_id, "shape": [m.chunk_length, m.action_dim],
                                                                 "actions": list(m.actions), "source": m.source}), 10)
     diagnostics: dict = got.setdefault("diagnostics", {})
-    node.create_subscription(DiagnosticArray, "/diagnostics",
-                             lambda m: diagnostics.setdefault(m.status[0].name, {kv.key: kv.value for kv in m.status[0].values}),
-                             10)
+    def on_diagnostics(m) -> None:   # the newest of each node that shows a call (nodes also report once a second)
+        values = {kv.key: kv.value for kv in m.status[0].values}
+        if int(values.get("calls", values.get("queries", "0"))) >= 1:
+            diagnostics[m.status[0].name] = values
+    node.create_subscription(DiagnosticArray, "/diagnostics", on_diagnostics, 10)
     wanted = {f"vla_runtime: {n}" for n in ("policy", "vision", "cache manager")}
 
     def done() -> bool:
@@ -59,8 +61,14 @@ def robot(spec: dict) -> int:
         joints.publish(js)
         task.publish(String(data=spec["task"]))
 
-    node.create_timer(0.05, publish)
     deadline = time.monotonic() + spec["timeout"]
+    # Publish only once the three nodes have found each other (DDS discovery): a first call sent
+    # while the cache manager is not yet subscribed runs dense, by design.
+    while time.monotonic() < deadline and not (node.count_subscribers("/vla_runtime/reference_query") >= 1
+                                               and node.count_publishers("/vla_runtime/reference_query") >= 1
+                                               and node.count_subscribers("/joint_states") >= 1):
+        rclpy.spin_once(node, timeout_sec=0.1)
+    node.create_timer(0.05, publish)
     while not done() and time.monotonic() < deadline:
         rclpy.spin_once(node, timeout_sec=0.1)
     print(json.dumps(got))

@@ -43,9 +43,12 @@ def test_nodes_publish_the_engines_chunk(tmp_path: Path) -> None:
                      demo_topics(tuple(cams)), call_period=0.5, cfg=BuildConfig(rho_n=0.5), log=lambda m: None)
     profile = yaml.safe_load((ROOT / "config" / "sim.yaml").read_text())
     profile["engine"]["checkpoint"] = demo["checkpoint"]
+    profile["engine"]["preset"] = "pi05-tiny"   # the demo checkpoint's architecture
     profile["control_hz"] = 20.0
     # generous: on 2 busy cores the cache manager's first answer includes preparing the window
     profile["cache"] = {"enabled": True, "repository": str(tmp_path / "repo"), "reference_timeout_s": 15.0}
+    # likewise the watchdog: a chunk arriving later than watchdog_s after its call is not executed
+    profile["streaming"]["watchdog_s"] = 30.0
     (tmp_path / "profile.yaml").write_text(yaml.safe_dump(profile))
     # The robot publishes a frame of the small episode bag committed under test/data (decoded to
     # raw images, as the profile's camera topics carry sensor_msgs/Image).
@@ -91,5 +94,7 @@ def test_nodes_publish_the_engines_chunk(tmp_path: Path) -> None:
     result = engine.infer(inputs, noise=noise, select=manager.select)
     assert result.reference is not None
     expected = policy.action_norm.unnormalize(result.actions[0]).numpy()
+    # Published within the joint limits (random weights do leave them: the gripper goes past 1.0).
+    expected = np.clip(expected, profile["joint_lower"], profile["joint_upper"])
     assert got["shape"] == list(expected.shape)
     np.testing.assert_allclose(np.asarray(got["actions"]).reshape(expected.shape), expected, rtol=1e-4, atol=1e-4)

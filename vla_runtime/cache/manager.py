@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -81,8 +82,9 @@ class CacheManager:
         self.task: str | None = None
         self.history: list[Tensor] = []
         self.last_match: Match | None = None
-        self._rebuild_s: list[float] = []
-        self._load_s: list[float] = []
+        # recent load / rebuild times per entry (the budget of Eq. 5 uses their means): bounded
+        self._rebuild_s: deque[float] = deque(maxlen=256)
+        self._load_s: deque[float] = deque(maxlen=256)
 
     @classmethod
     def open(cls, model: Pi05Model, root, checkpoint_hash: str, cfg: ManagerConfig = ManagerConfig(),

@@ -56,6 +56,8 @@ class StreamingController:
         self.in_flight: CallRequest | None = None
         self.horizon_end = 0
         self._seq = 0
+        self.rejected = 0            # chunks of the call in flight refused (NaN/Inf, shape, too late)
+        self.last_rejection = ""
 
     def set_initial(self, state: np.ndarray) -> None:
         self.safety.set_initial(np.asarray(state, dtype=np.float64))
@@ -80,13 +82,34 @@ class StreamingController:
         return req
 
     def on_chunk(self, request_seq: int, chunk: np.ndarray, now: int, latency_s: float) -> bool:
-        """Merge the chunk of the call in flight; False (and nothing merged) for an unknown call."""
+        """Merge the chunk of the call in flight; False, and nothing merged, for an unknown call.
+
+        A chunk of the call in flight that must not be executed is refused too (False, the call
+        is over, the plan unchanged, ``rejected`` counts it and ``last_rejection`` says why): one
+        with NaN/Inf or of the wrong shape, and one that arrives later than the watchdog
+        deadline after its call started (a stalled engine's plan was made for a world that has
+        moved on: executing what is left of it would be executing stale actions).
+        """
         req = self.in_flight
         if req is None or req.request_seq != request_seq:
             return False
+        arr = np.asarray(chunk, dtype=np.float64)
+        why = ""
+        if arr.ndim != 2 or arr.shape[0] < 1 or arr.shape[1] != self.cfg.action_dim:
+            why = f"chunk of call {request_seq} has shape {arr.shape}, expected [C, {self.cfg.action_dim}]"
+        elif not np.isfinite(arr).all():
+            why = f"chunk of call {request_seq} contains NaN/Inf"
+        elif (now - req.now) / self.cfg.control_hz > self.cfg.watchdog_s:
+            why = (f"chunk of call {request_seq} arrived {(now - req.now) / self.cfg.control_hz:.3f} s after its call "
+                   f"started, past the {self.cfg.watchdog_s} s deadline: not executed")
         self.in_flight = None
-        self.scheduler.on_finished(now, latency_s)
-        self.stitcher.merge(self.plan, np.asarray(chunk, dtype=np.float64), req.start_tick, now, freeze=self.cfg.stitch.freeze_steps or 0)
+        self.scheduler.on_finished(now, latency_s if np.isfinite(latency_s) and latency_s >= 0
+                                   else self.scheduler.expected_latency_s())
+        if why:
+            self.rejected += 1
+            self.last_rejection = why
+            return False
+        self.stitcher.merge(self.plan, arr, req.start_tick, now, freeze=self.cfg.stitch.freeze_steps or 0)
         self.horizon_end = req.start_tick + self.cfg.stream_horizon
         self.watchdog.on_chunk(now)
         return True
@@ -98,7 +121,13 @@ class StreamingController:
             self.scheduler.on_finished(now, self.scheduler.expected_latency_s())
 
     def upcoming(self, now: int) -> tuple[int, np.ndarray]:
-        """(first tick, actions) planned from ``now`` on, contiguous (what a trajectory message carries)."""
+        """(first tick, actions) planned from ``now`` on, contiguous (what a trajectory message
+        carries), clamped to the joint limits like every command."""
         n = self.plan.remaining(now)
         rows = [self.plan.action_at(now + i) for i in range(n)]
-        return now, (np.stack(rows) if rows else np.zeros((0, self.cfg.action_dim)))
+        return now, (self.within_limits(np.stack(rows)) if rows else np.zeros((0, self.cfg.action_dim)))
+
+    def within_limits(self, actions: np.ndarray) -> np.ndarray:
+        """``actions`` [..., action_dim] clamped to the joint limits (what may be published)."""
+        lim = self.safety.limits
+        return np.clip(np.asarray(actions, dtype=np.float64), lim.lower, lim.upper)

@@ -228,6 +228,35 @@ def _open_attached(name: str) -> SharedMemory:
     return shm
 
 
+def _segment_nonce(name: str) -> int | None:
+    """The creation nonce of the initialised ring the name ``name`` names now (None: none).
+
+    Reads the control block with ``pread`` from ``/dev/shm`` (Linux: where POSIX shared memory
+    lives) instead of mapping the segment, so no resource-tracker traffic is caused.
+    """
+    try:
+        fd = os.open(os.path.join("/dev/shm", name), os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    except OSError:  # no /dev/shm (not Linux): map it instead
+        try:
+            shm = _open_attached(name)
+        except FileNotFoundError:
+            return None
+        try:
+            ok = shm.size >= C.GLOBAL_BYTES and bytes(shm.buf[0:8]) == C.MAGIC
+            return _read_word(shm.buf, C.W_NONCE) if ok else None
+        finally:
+            shm.close()
+    try:
+        head = os.pread(fd, C.GLOBAL_BYTES, 0)
+    finally:
+        os.close(fd)
+    if len(head) < C.GLOBAL_BYTES or head[0:8] != C.MAGIC:
+        return None
+    return int(np.frombuffer(head, dtype=np.int64)[C.W_NONCE])
+
+
 def _read_word(buf: Any, index: int) -> int:
     w = np.ndarray((C.GLOBAL_BYTES // 8,), dtype=np.int64, buffer=buf)
     value = int(w[index])
@@ -621,6 +650,21 @@ class RingBuffer:
         """Heartbeat fresher than ``deadline_s`` and the writer process exists (not a zombie).
         A writer that closed its ring clears its pid, so it reads as gone at once."""
         return self.heartbeat_age_s() <= deadline_s and _pid_alive(self.writer_pid)
+
+    def superseded(self) -> bool:
+        """True when a reader's mapping is no longer the ring to read: its writer closed it or died,
+        or the name now names another segment (a restarted writer created a new one).
+
+        A restarted writer's sequences start again at 0, so an announcement "slot k holds
+        sequence n" of the new ring can match a payload left in the old mapping: a reader must
+        re-attach (by name) when this is True, before it reads an announced slot. Cheap enough
+        to ask before every read (a pid probe and an 8-byte read of the named segment's header).
+        The owner's own mapping is never superseded.
+        """
+        self._check_open()
+        if self.is_owner:
+            return False
+        return not _pid_alive(int(self._w[C.W_PID])) or _segment_nonce(self.name) != self._nonce
 
     # ---------------------------------------------------------------- lifetime
 

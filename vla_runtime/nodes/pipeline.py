@@ -2,7 +2,8 @@
 
 ``LocalPipeline`` passes the notes by direct calls (tests, benchmarks, replay).
 ``ProcessPipeline`` runs each stage in its own OS process, as the nodes do, with the notes on
-``multiprocessing`` pipes instead of ROS topics; the tensors go through the same shared-memory
+``multiprocessing`` pipes (routed by the parent, so a stage can be killed and restarted) instead
+of ROS topics; the tensors go through the same shared-memory
 rings either way. Both answer ``call(images, state, task)`` with a ``ChunkResult`` and are what
 ``vla-runtime run`` drives.
 """
@@ -14,6 +15,7 @@ import multiprocessing as mp
 import time
 import traceback
 from dataclasses import dataclass, field
+from multiprocessing import connection as mp_connection
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from ..engine.policy import Pi05Policy
+from ..ipc.ring import RingBufferError
 from .profile import CacheSpec, EngineSpec
 from .stages import (CacheStage, ChunkResult, PolicyStage, PrefixRequestNote, QueryNote, RingNames, VisionStage,
                      cache_config, load_policy, open_repository_meta)
@@ -42,6 +45,7 @@ class PipelineSpec:
     ring_slots: int = 4
     arm_slices: tuple[tuple[int, int], ...] = ()
     time_available_s: float | None = None  # the working set's rebuild budget per call (None: the manager's default)
+    state_dim: int | None = None   # the profile's joints: the checkpoint must have as many state/action dims
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "checkpoint", Path(self.checkpoint))
@@ -51,7 +55,7 @@ class PipelineSpec:
             raise ValueError(f"ring_slots must be in [2, 64], got {self.ring_slots}")
 
     def load_policy(self) -> Pi05Policy:
-        return load_policy(self.checkpoint, self.engine, self.cameras)
+        return load_policy(self.checkpoint, self.engine, self.cameras, self.state_dim)
 
 
 class LocalPipeline:
@@ -69,11 +73,17 @@ class LocalPipeline:
             self.vision.close()
             raise
         self._seq = 0
+        self.episode = 0
         self.last_choice: ReferenceChoice | None = None
         self.last_times: dict[str, float] = {}
 
+    def start_episode(self) -> None:
+        """The next call starts a new episode (the same task again, e.g. a new object pose)."""
+        self.episode += 1
+
     def call(self, images: dict[str, np.ndarray], state: np.ndarray, task: str, start_tick: int = 0) -> ChunkResult:
-        req = PrefixRequestNote(self._seq, start_tick, tuple(float(x) for x in np.asarray(state).reshape(-1)), task)
+        req = PrefixRequestNote(self._seq, start_tick, tuple(float(x) for x in np.asarray(state).reshape(-1)), task,
+                                self.episode)
         self._seq += 1
         ask = self.cache.answer if self.cache is not None and self.cache.enabled else None
         note = self.vision.encode(req, images, ask)
@@ -83,8 +93,10 @@ class LocalPipeline:
         self.last_times = {**self.vision.last_timer.times.seconds, "denoise": time.perf_counter() - t0}
         if result is None:   # cannot happen in one process: nothing writes between the two stages
             raise RuntimeError(f"prefix slot {note.slot} overwritten before it was read")
-        if self.cache is not None:
+        if self.cache is not None:   # in one process the upkeep is serial; on a robot it overlaps execution
+            t1 = time.perf_counter()
             self.cache.upkeep(self.spec.time_available_s)
+            self.last_times["upkeep"] = time.perf_counter() - t1
         return result
 
     def close(self) -> None:
@@ -104,168 +116,250 @@ class LocalPipeline:
 _STOP = "stop"
 
 
-def _serve(name: str, spec: PipelineSpec, ready: Connection, body) -> None:
+class StageDied(RuntimeError):
+    """A stage process died during a call (the call is lost; ``ProcessPipeline.restart`` it)."""
+
+
+def _serve(name: str, spec: PipelineSpec, conn: Connection, body) -> None:
     """A stage process: report start-up (or the error that prevented it), then run ``body``."""
     logging.basicConfig(level=logging.WARNING, format=f"[{name}] %(levelname)s %(message)s")
     try:
         policy = spec.load_policy()
         stage_loop = body(policy)
     except BaseException as e:  # noqa: BLE001  # the parent shows it; the process exits non-zero
-        ready.send(("error", f"{name}: {e}\n{traceback.format_exc()}"))
+        conn.send(("error", f"{name}: {e}\n{traceback.format_exc()}"))
         raise SystemExit(1)
-    ready.send(("ready", name))
+    conn.send(("ready", name))
     stage_loop()
 
 
-def _vision_main(spec: PipelineSpec, ready: Connection, requests: Connection, to_cache: Connection | None,
-                 to_policy: Connection) -> None:
+def _vision_main(spec: PipelineSpec, conn: Connection) -> None:
     def body(policy: Pi05Policy):
-        cc = cache_config(spec.cache, open_repository_meta(spec.cache, policy)) if to_cache is not None else None
+        cc = cache_config(spec.cache, open_repository_meta(spec.cache, policy)) if spec.cache.enabled else None
         stage = VisionStage(policy, spec.rings, spec.ring_slots, cc)
 
         def ask(q: QueryNote) -> ReferenceChoice | None:
-            try:
-                to_cache.send(q)
-                deadline = time.monotonic() + spec.cache.reference_timeout_s
-                while to_cache.poll(max(0.0, deadline - time.monotonic())):
-                    choice = to_cache.recv()
-                    if choice.request_seq == q.request_seq:   # late answers to earlier queries are dropped
-                        return choice
-            except (OSError, EOFError) as e:   # the cache manager is gone: this call runs dense
-                log.warning("cache manager unreachable (%s): call %d runs dense", e, q.request_seq)
-                return None
+            conn.send(("query", q.request_seq, q))
+            deadline = time.monotonic() + spec.cache.reference_timeout_s
+            while conn.poll(max(0.0, deadline - time.monotonic())):
+                msg = conn.recv()
+                if msg[0] == "reply" and msg[1] == q.request_seq:   # late answers to earlier queries are dropped
+                    return msg[2]       # None: the cache manager is gone, this call runs dense
             log.warning("no reference for call %d within %.3f s: dense", q.request_seq, spec.cache.reference_timeout_s)
             return None
 
         def loop() -> None:
             try:
-                while (msg := requests.recv()) != _STOP:
-                    req, images = msg
+                while (msg := conn.recv()) != _STOP:
+                    if msg[0] != "request":   # a reply that came after its call went dense
+                        continue
+                    _, req, images = msg
                     try:
-                        note = stage.encode(req, images, ask if to_cache is not None else None)
-                        to_policy.send(("slot", note, stage.last_choice, dict(stage.last_timer.times.seconds)))
+                        note = stage.encode(req, images, ask if cc is not None else None)
+                        conn.send(("slot", req.request_seq, note, stage.last_choice,
+                                   dict(stage.last_timer.times.seconds)))
                     except ValueError as e:   # a bad observation: reported, the stage stays up
-                        to_policy.send(("refused", req.request_seq, str(e)))
+                        conn.send(("refused", req.request_seq, str(e)))
             finally:
-                for conn in (to_cache, to_policy):
-                    try:
-                        if conn is not None:
-                            conn.send(_STOP)
-                    except (OSError, EOFError):
-                        pass
                 stage.close()
         return loop
-    _serve("vision", spec, ready, body)
+    _serve("vision", spec, conn, body)
 
 
-def _cache_main(spec: PipelineSpec, ready: Connection, queries: Connection) -> None:
+def _cache_main(spec: PipelineSpec, conn: Connection) -> None:
     def body(policy: Pi05Policy):
         stage = CacheStage(policy, spec.cache, spec.rings, spec.arm_slices)
 
         def loop() -> None:
             try:
-                while (q := queries.recv()) != _STOP:
-                    queries.send(stage.answer(q))
+                while (msg := conn.recv()) != _STOP:
+                    _, seq, q = msg
+                    conn.send(("reply", seq, stage.answer(q)))
                     stage.upkeep(spec.time_available_s)   # while the other stages finish the call
             finally:
                 stage.close()
         return loop
-    _serve("cache", spec, ready, body)
+    _serve("cache", spec, conn, body)
 
 
-def _policy_main(spec: PipelineSpec, ready: Connection, slots: Connection, results: Connection) -> None:
+def _policy_main(spec: PipelineSpec, conn: Connection) -> None:
     def body(policy: Pi05Policy):
         stage = PolicyStage(policy, spec.rings, cache_config(spec.cache, open_repository_meta(spec.cache, policy)),
                             spec.seed)
 
         def loop() -> None:
             try:
-                while (msg := slots.recv()) != _STOP:
-                    if msg[0] == "refused":
-                        results.send(msg)
-                        continue
-                    _, note, choice, times = msg
+                while (msg := conn.recv()) != _STOP:
+                    _, seq, note = msg
                     t0 = time.perf_counter()
-                    res = stage.act(note)
-                    times = {**times, "denoise": time.perf_counter() - t0}
-                    results.send(("chunk", res, choice, times) if res is not None else
-                                 ("refused", -1, f"slot {note.slot} overwritten before it was read"))
+                    try:
+                        res = stage.act(note)
+                    except (RingBufferError, ValueError, OSError) as e:   # a refused slot: reported, no chunk
+                        conn.send(("refused", seq, f"slot {note.slot} of ring {note.ring!r} unusable: {e}"))
+                        continue
+                    conn.send(("chunk", seq, res, time.perf_counter() - t0) if res is not None else
+                              ("refused", seq, f"slot {note.slot} overwritten before it was read"))
             finally:
                 stage.close()
         return loop
-    _serve("policy", spec, ready, body)
+    _serve("policy", spec, conn, body)
+
+
+_MAINS = {"vision": _vision_main, "policy": _policy_main, "cache": _cache_main}
 
 
 class ProcessPipeline:
-    """The three stages as three OS processes (the nodes' deployment, without ROS)."""
+    """The three stages as three OS processes (the nodes' deployment, without ROS).
+
+    This process routes the notes (one pipe per stage, like one ROS connection per node), so a
+    stage can die and be started again while the others keep their state and shared memory:
+    ``kill`` and ``restart`` do that on purpose (fault tests). A call whose stage died raises
+    ``StageDied``; a dead cache manager only turns calls dense (the vision stage is answered
+    "no reference" at once). Results of a call that timed out are dropped when they come late,
+    never handed to a later call.
+    """
 
     def __init__(self, spec: PipelineSpec, start_timeout_s: float = 300.0):
         self.spec = spec
-        ctx = mp.get_context("spawn")   # a fresh interpreter per stage, like a node process
-        cached = spec.cache.enabled
-        self._requests, vision_requests = ctx.Pipe()
-        vision_slots, policy_slots = ctx.Pipe()
-        policy_results, self._results = ctx.Pipe()
-        vision_cache, cache_queries = ctx.Pipe() if cached else (None, None)
-        readies = []
-
-        def start(target, *args) -> mp.Process:
-            mine, theirs = ctx.Pipe()
-            readies.append((target.__name__.strip("_").removesuffix("_main"), mine))
-            p = ctx.Process(target=target, args=(spec, theirs, *args), daemon=True)
-            p.start()
-            return p
-
-        self.processes = {"vision": start(_vision_main, vision_requests, vision_cache, vision_slots),
-                          "policy": start(_policy_main, policy_slots, policy_results)}
-        if cached:
-            self.processes["cache"] = start(_cache_main, cache_queries)
+        self.start_timeout_s = start_timeout_s
+        self._ctx = mp.get_context("spawn")   # a fresh interpreter per stage, like a node process
+        self.processes: dict[str, mp.Process] = {}
+        self.conns: dict[str, Connection | None] = {}
         self._seq = 0
+        self.episode = 0
         self.last_choice: ReferenceChoice | None = None
         self.last_times: dict[str, float] = {}
-        deadline = time.monotonic() + start_timeout_s
+        names = ("vision", "policy") + (("cache",) if spec.cache.enabled else ())
         try:
-            for name, conn in readies:
-                if not conn.poll(max(0.0, deadline - time.monotonic())):
-                    raise TimeoutError(f"the {name} stage did not start within {start_timeout_s:g} s")
-                try:
-                    kind, what = conn.recv()
-                except EOFError:
-                    p = self.processes[name]
-                    p.join(5.0)
-                    raise RuntimeError(f"the {name} stage process exited during start-up (exit code "
-                                       f"{p.exitcode})") from None
-                if kind == "error":
-                    raise RuntimeError(f"stage failed to start: {what}")
+            for name in names:
+                self._spawn(name)
+            for name in names:
+                self._wait_ready(name)
         except BaseException:
             self.close()
             raise
 
+    # ------------------------------------------------------------ stage processes
+    def _spawn(self, name: str) -> None:
+        mine, theirs = self._ctx.Pipe()
+        p = self._ctx.Process(target=_MAINS[name], args=(self.spec, theirs), daemon=True, name=f"vla-{name}")
+        p.start()
+        theirs.close()   # only the child holds its end: its death reads as EOF here
+        self.processes[name], self.conns[name] = p, mine
+
+    def _wait_ready(self, name: str) -> None:
+        conn, p = self.conns[name], self.processes[name]
+        if not conn.poll(self.start_timeout_s):
+            raise TimeoutError(f"the {name} stage did not start within {self.start_timeout_s:g} s")
+        try:
+            kind, what = conn.recv()
+        except EOFError:
+            p.join(5.0)
+            raise RuntimeError(f"the {name} stage process exited during start-up (exit code {p.exitcode})") from None
+        if kind == "error":
+            raise RuntimeError(f"stage failed to start: {what}")
+
+    def alive(self, name: str) -> bool:
+        return self.conns.get(name) is not None and self.processes[name].is_alive()
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one stage process (a crash: it cleans nothing up) and forget its pipe."""
+        p = self.processes[name]
+        p.kill()
+        p.join(10.0)
+        self._lost(name)
+
+    def restart(self, name: str) -> None:
+        """Start a stage again (killed first if it still runs); it re-creates its shared memory
+        (replacing the dead writer's segments) and the other stages re-attach on their next read."""
+        if self.processes[name].is_alive():
+            self.kill(name)
+        self._lost(name)
+        self._spawn(name)
+        try:
+            self._wait_ready(name)
+        except BaseException:
+            self.kill(name)
+            raise
+
+    def _lost(self, name: str) -> None:
+        conn = self.conns.get(name)
+        if conn is not None:
+            conn.close()
+        self.conns[name] = None
+
+    def _send(self, name: str, msg: Any) -> bool:
+        conn = self.conns.get(name)
+        if conn is None:
+            return False
+        try:
+            conn.send(msg)
+            return True
+        except (OSError, EOFError):
+            self._lost(name)
+            return False
+
+    # ------------------------------------------------------------ calls
+    def start_episode(self) -> None:
+        """The next call starts a new episode (the same task again, e.g. a new object pose)."""
+        self.episode += 1
+
     def call(self, images: dict[str, np.ndarray], state: np.ndarray, task: str, start_tick: int = 0,
              timeout_s: float = 600.0) -> ChunkResult:
-        req = PrefixRequestNote(self._seq, start_tick, tuple(float(x) for x in np.asarray(state).reshape(-1)), task)
+        req = PrefixRequestNote(self._seq, start_tick, tuple(float(x) for x in np.asarray(state).reshape(-1)), task,
+                                self.episode)
+        seq = req.request_seq
         self._seq += 1
-        self._requests.send((req, images))
-        if not self._results.poll(timeout_s):
-            dead = [n for n, p in self.processes.items() if not p.is_alive()]
-            raise TimeoutError(f"no chunk for call {req.request_seq} within {timeout_s:g} s"
-                               + (f"; stage process(es) {dead} died" if dead else ""))
-        msg = self._results.recv()
-        if msg[0] == "refused":
-            raise ValueError(f"call {req.request_seq} refused: {msg[2]}")
-        _, result, self.last_choice, self.last_times = msg
-        return result
+        if not self._send("vision", ("request", req, images)):
+            raise StageDied(f"call {seq}: the vision stage is not running")
+        deadline = time.monotonic() + timeout_s
+        choice, times = None, {}
+        while True:
+            live = {c: n for n, c in self.conns.items() if c is not None}
+            ready = mp_connection.wait(list(live), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                dead = [n for n, p in self.processes.items() if not p.is_alive()]
+                raise TimeoutError(f"no chunk for call {seq} within {timeout_s:g} s"
+                                   + (f"; stage process(es) {dead} died" if dead else "; a stage is stalled"))
+            for conn in ready:
+                name = live[conn]
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError):
+                    self._lost(name)
+                    self.processes[name].join(5.0)
+                    if name != "cache":
+                        raise StageDied(f"call {seq}: the {name} stage died (exit code "
+                                        f"{self.processes[name].exitcode})") from None
+                    self._send("vision", ("reply", seq, None))   # a query may be waiting: dense now
+                    continue
+                kind, about = msg[0], msg[1]
+                if kind == "query":
+                    if not self._send("cache", msg):
+                        self._send("vision", ("reply", about, None))
+                elif kind == "reply":
+                    self._send("vision", msg)
+                elif about != seq:            # a late result of an earlier call that timed out: dropped
+                    continue
+                elif kind == "refused":
+                    raise ValueError(f"call {seq} refused: {msg[2]}")
+                elif kind == "slot":
+                    _, _, note, choice, times = msg
+                    if not self._send("policy", ("slot", seq, note)):
+                        raise StageDied(f"call {seq}: the policy stage is not running")
+                elif kind == "chunk":
+                    self.last_choice, self.last_times = choice, {**times, "denoise": msg[3]}
+                    return msg[2]
 
     def close(self, timeout_s: float = 10.0) -> None:
-        try:
-            self._requests.send(_STOP)
-        except (OSError, BrokenPipeError):
-            pass
-        for p in self.processes.values():
+        for name in list(self.conns):
+            self._send(name, _STOP)
+        for name, p in self.processes.items():
             p.join(timeout_s)
             if p.is_alive():
                 p.terminate()
                 p.join(timeout_s)
+            self._lost(name)
 
     def __enter__(self) -> "ProcessPipeline":
         return self

@@ -5,7 +5,14 @@ the profile's rate: it advances the plan, and when the scheduler says so asks th
 for the next prefix, conditioned on the predicted state. When the vision node announces a slot,
 the chunk is denoised (in its own callback group, so control ticks go on meanwhile), merged into
 the plan, and the upcoming plan is published as a ``JointTrajectory`` stamped with the time its
-first point takes effect, plus an ``ActionChunk`` with the raw chunk.
+first point takes effect, plus an ``ActionChunk`` with the chunk (clamped to the joint limits).
+
+Safety at this boundary: joint states and instructions are checked by ``conversions`` (names,
+lengths, NaN, stamps); a chunk with NaN/Inf, of a slot encoded before its request (a restarted
+node's leftover) or arriving past the watchdog deadline is not executed; nothing published
+leaves the joint limits; when the plan goes stale (no chunk within ``streaming.watchdog_s``) a
+one-point trajectory at the held command replaces what the controller was executing.
+Diagnostics go out after every chunk, on every hold and once a second.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from diagnostic_msgs.msg import DiagnosticArray
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 from rclpy.node import Node
 from sensor_msgs.msg import JointState
-from std_msgs.msg import String
+from std_msgs.msg import Empty, String
 from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
 
 from vla_runtime.msg import ActionChunk, PrefixRequest, SlotReady
@@ -28,38 +35,24 @@ from ..engine.controller import ControllerConfig, StreamingController
 from ..engine.safety import JointLimits
 from ..ipc.ring import RingBufferError
 from .adapters import group_commands, single_commands
-from .conversions import InputError, JointStateAssembler, chunk_to_trajectory
+from .conversions import InputError, JointStateAssembler, StampCheck, chunk_to_trajectory, instruction_from_msg, stamp_ns
 from .diagnostics import DIAGNOSTICS_TOPIC, diagnostic_array
-from .params import declare_parameters, profile_and_checkpoint, ring_names
-from .prefix_ring import READY_TOPIC, REQUEST_TOPIC
+from .params import POLICY, declare_parameters, profile_and_checkpoint, ring_names
+from .prefix_ring import EPISODE_TOPIC, READY_TOPIC, REQUEST_TOPIC
 from .spin import run
 from .stages import PolicyStage, SlotNote, cache_config, load_policy, open_repository_meta
 
-PARAMETERS = {
-    "profile": ("", "robot profile YAML (config/<robot>.yaml)"),
-    "checkpoint": ("", "checkpoint directory; overrides the profile's engine.checkpoint"),
-    "working_set": ("vla_refs", "name of the cache manager's working-set ring buffer (Action Cache masks)"),
-    "seed": (0, "noise seed: call n uses seed * 1000003 + n (reproducible chunks); >= 0"),
-    "request_timeout_s": (2.0, "a prefix request unanswered this long is abandoned and asked again "
-                               "(lost message, vision node restarting); in (0, 600]"),
-}
+PARAMETERS = POLICY
 
 
 class PolicyNode(Node):
     def __init__(self) -> None:
         super().__init__("vla_policy")
-        v = declare_parameters(self, PARAMETERS)
+        v = declare_parameters(self, PARAMETERS, self._on_parameter)
+        self.params = v
         self.profile, ckpt = profile_and_checkpoint(v)
         prof = self.profile
-        if v["seed"] < 0:
-            raise ValueError(f"seed must be >= 0, got {v['seed']}")
-        self.request_timeout_s = float(v["request_timeout_s"])
-        if not 0 < self.request_timeout_s <= 600:
-            raise ValueError(f"request_timeout_s must be in (0, 600] s, got {self.request_timeout_s}")
-        policy = load_policy(ckpt, self.profile.engine, [c.name for c in self.profile.cameras])
-        if policy.action_norm.dim != prof.state_dim:
-            raise ValueError(f"checkpoint actions have {policy.action_norm.dim} dims, profile {prof.name!r} "
-                             f"has {prof.state_dim} joints")
+        policy = load_policy(ckpt, self.profile.engine, [c.name for c in self.profile.cameras], prof.state_dim)
         cc = cache_config(prof.cache, open_repository_meta(prof.cache, policy))
         self.stage = PolicyStage(policy, ring_names(v), cc, int(v["seed"]))
         s = prof.streaming
@@ -78,9 +71,18 @@ class PolicyNode(Node):
         self.requested_at: dict[int, float] = {}
         self.request_timeouts = 0
         self.cached_calls = 0
+        self.refused_joint_states = 0
+        self.refused_instructions = 0
+        self.instruction_changes = 0
+        self.stale_slots = 0
+        self.holds_published = 0
+        self.last_refusal = ""
+        self.last_latency_s = float("nan")
         for topic in prof.joint_states_topics:
             self.create_subscription(JointState, topic, self._on_joints, 10)
         self.create_subscription(String, prof.instruction_topic, self._on_instruction, 10)
+        self.episode = 0   # bumped by EPISODE_TOPIC: the same task again (e.g. the next part at a station)
+        self.create_subscription(Empty, EPISODE_TOPIC, self._on_episode_start, 10)
         self.request_pub = self.create_publisher(PrefixRequest, REQUEST_TOPIC, 10)
         self.chunk_pub = self.create_publisher(ActionChunk, "/vla_runtime/action_chunk", 10)
         self.diag_pub = self.create_publisher(DiagnosticArray, DIAGNOSTICS_TOPIC, 10)
@@ -101,21 +103,51 @@ class PolicyNode(Node):
         self.create_subscription(SlotReady, READY_TOPIC, self._on_slot, 10,
                                  callback_group=MutuallyExclusiveCallbackGroup())
         self.create_timer(1.0 / prof.control_hz, self._on_tick, callback_group=MutuallyExclusiveCallbackGroup())
+        self.create_timer(1.0, self._publish_diagnostics)
         self.get_logger().info(f"policy node up: profile {prof.name}, {prof.control_hz} Hz, checkpoint {ckpt}, "
                                f"action cache {'on' if cc is not None else 'off'}")
 
-    # ------------------------------------------------------------ inputs (validated here)
+    @property
+    def request_timeout_s(self) -> float:
+        return float(self.params["request_timeout_s"])
+
+    def _on_parameter(self, name: str, value: object) -> None:
+        self.params[name] = value   # read on every use: takes effect from the next message / tick
+
+    def _refuse(self, what: str) -> None:
+        self.last_refusal = what
+        self.get_logger().warning(what, throttle_duration_sec=2.0)
+
+    # ------------------------------------------------------------ inputs (validated in conversions)
     def _on_joints(self, msg: JointState) -> None:
         try:
+            StampCheck(float(self.params["max_input_age_s"]), float(self.params["max_future_s"])).check(
+                stamp_ns(msg), self.get_clock().now().nanoseconds, "JointState")
             self.joints.update(msg, time.monotonic_ns())
         except InputError as e:
-            self.get_logger().warning(f"joint state refused: {e}", throttle_duration_sec=2.0)
+            self.refused_joint_states += 1
+            self._refuse(f"joint state refused: {e}")
+
+    def _on_episode_start(self, _msg: Empty) -> None:
+        self.episode += 1
+        self.get_logger().info(f"episode {self.episode} starts: the cache manager starts a fresh window")
 
     def _on_instruction(self, msg: String) -> None:
-        text = msg.data.strip()
-        if not text:
-            self.get_logger().warning("empty instruction ignored")
+        try:
+            text = instruction_from_msg(msg)
+        except InputError as e:
+            self.refused_instructions += 1
+            self._refuse(str(e))
             return
+        if self.task is not None and text != self.task:
+            # A new task: the call in flight was asked for the old one, its chunk is not merged
+            # (the cache manager starts a new episode on the next query).
+            self.instruction_changes += 1
+            self.get_logger().info(f"instruction changed to {text!r}: the call in flight for the old one is dropped")
+            with self.lock:
+                if self.controller.in_flight is not None:
+                    self.requested_at.pop(self.controller.in_flight.request_seq, None)
+                    self.controller.abandon(max(self.tick, 0))
         self.task = text
 
     # ------------------------------------------------------------ control timer
@@ -133,12 +165,16 @@ class PolicyNode(Node):
             self.tick = tick
             try:
                 self._expire_request(tick)
+                stale_events = self.controller.watchdog.stale_events
                 command = self.controller.tick(tick)
+                went_stale = self.controller.watchdog.stale_events > stale_events
                 age = max(0.0, (now_ns - self.joints.oldest_stamp_ns()) * 1e-9)   # stale joint states: no call
                 req = self.controller.maybe_request(tick, self.joints.vector(), age)
             except (ValueError, RuntimeError) as e:  # never let one bad tick stop the control loop
                 self.get_logger().error(f"tick {tick}: {e}", throttle_duration_sec=1.0)
                 return
+        if went_stale and self.traj_pubs:
+            self._publish_hold(command.action)
         if self.group_cmd is not None:   # Interbotix arms take their commands every control tick
             for c in group_commands(self.profile.output, command.action):
                 self.group_pubs[c.topic_index].publish(self.group_cmd(name=c.name, cmd=list(c.values)))
@@ -149,7 +185,7 @@ class PolicyNode(Node):
             msg = PrefixRequest()
             msg.header.stamp = self.get_clock().now().to_msg()
             msg.request_seq, msg.start_tick = req.request_seq, req.start_tick
-            msg.state, msg.task = [float(x) for x in req.state], self.task
+            msg.state, msg.task, msg.episode = [float(x) for x in req.state], self.task, self.episode
             self.request_pub.publish(msg)
 
     def _expire_request(self, tick: int) -> None:
@@ -164,23 +200,64 @@ class PolicyNode(Node):
 
     # ------------------------------------------------------------ chunks
     def _on_slot(self, msg: SlotReady) -> None:
+        in_flight = self.controller.in_flight
+        if in_flight is None or self.requested_at.get(in_flight.request_seq) is None:
+            return   # nothing asked (a slot for a request of an earlier run of this node, or abandoned)
         try:
-            result = self.stage.act(SlotNote(msg.ring, int(msg.slot), int(msg.sequence)))
+            result = self.stage.act(SlotNote(msg.ring, int(msg.slot), int(msg.sequence), msg.layout_tag))
         except (RingBufferError, ValueError, OSError) as e:  # a layout mismatch, a missing segment: report, stay safe
-            self.get_logger().error(f"slot {msg.slot} of ring {msg.ring!r} unusable: {e}", throttle_duration_sec=2.0)
+            self._refuse(f"slot {msg.slot} of ring {msg.ring!r} unusable: {e}")
             return
         if result is None:
             self.get_logger().warning(f"slot {msg.slot} seq {msg.sequence} was overwritten before it was read")
             return
-        latency = time.monotonic() - self.requested_at.pop(result.request_seq, time.monotonic())
-        with self.lock:
-            merged = self.controller.on_chunk(result.request_seq, result.chunk, max(self.tick, 0), latency)
-            first, upcoming = self.controller.upcoming(max(self.tick, 0) + 1)
+        asked = self.requested_at.get(result.request_seq)
+        if asked is None or result.meta.stamp_ns < int(asked * 1e9):
+            # Encoded before this request was made: a leftover for a request of this node's
+            # previous run (same request number after a restart), never this call's answer.
+            self.stale_slots += 1
+            self._refuse(f"slot for request {result.request_seq} was encoded before that request: ignored")
+            return
+        self.requested_at.pop(result.request_seq, None)
+        latency = time.monotonic() - asked
+        try:
+            with self.lock:
+                merged = self.controller.on_chunk(result.request_seq, result.chunk, max(self.tick, 0), latency)
+                first, upcoming = self.controller.upcoming(max(self.tick, 0) + 1)
+        except (ValueError, RuntimeError) as e:   # never let one chunk stop the node
+            self._refuse(f"chunk of request {result.request_seq} not merged: {e}")
+            return
+        self.last_latency_s = latency
         if not merged:
+            if self.controller.last_rejection:
+                self._refuse(self.controller.last_rejection)
+            self._publish_diagnostics()
             return
         self.cached_calls += int(result.used_reference)
-        self._publish(result.request_seq, result.chunk, first, upcoming, "cached" if result.used_reference else "dense")
-        self._publish_diagnostics(latency)
+        self._publish(result.request_seq, self.controller.within_limits(result.chunk), first, upcoming,
+                      "cached" if result.used_reference else "dense")
+        self._publish_diagnostics()
+
+    def _publish_hold(self, action: np.ndarray) -> None:
+        """The plan went stale: a one-point trajectory at the held command, effective now, replaces
+        what the trajectory controller is executing (it would otherwise play the stale plan out)."""
+        prof = self.profile
+        period = 1.0 / prof.control_hz
+        now_ns = self.get_clock().now().nanoseconds
+        slices = prof.output.joint_slices or ((0, prof.state_dim),)
+        for pub, (a, b) in zip(self.traj_pubs, slices):
+            try:
+                traj = chunk_to_trajectory(self.controller.within_limits(action[None, a:b]), prof.joint_names[a:b],
+                                           now_ns, period, JointTrajectory, JointTrajectoryPoint,
+                                           lambda s, ns: Duration(sec=s, nanosec=ns),
+                                           lambda s, ns: Time(sec=s, nanosec=ns))
+            except InputError as e:
+                self.get_logger().error(f"hold not published: {e}")
+                continue
+            pub.publish(traj)
+        self.holds_published += 1
+        self.get_logger().warning(f"no fresh chunk within {self.profile.streaming.watchdog_s} s: holding")
+        self._publish_diagnostics()
 
     def _publish(self, request_seq: int, chunk: np.ndarray, first_tick: int, upcoming: np.ndarray,
                  source: str) -> None:
@@ -209,16 +286,25 @@ class PolicyNode(Node):
             pub.publish(traj)
 
 
-    def _publish_diagnostics(self, latency_s: float) -> None:
-        """Per-call health for rqt / diagnostic_aggregator: latency, holds, safety, watchdog, cache."""
+    def _publish_diagnostics(self) -> None:
+        """Health for rqt / diagnostic_aggregator: latency, holds, safety, watchdog, refusals, cache."""
         c = self.controller
-        values = {"call_latency_s": f"{latency_s:.4f}", "expected_latency_s": f"{c.scheduler.expected_latency_s():.4f}",
+        values = {"call_latency_s": f"{self.last_latency_s:.4f}",
+                  "expected_latency_s": f"{c.scheduler.expected_latency_s():.4f}",
                   "calls": str(c.scheduler.counters.finished), "late_chunks": str(c.scheduler.counters.late),
                   "held_ticks": str(c.safety.counts.get("held", 0)),
                   "clamped_ticks": str(c.safety.counts.get("clamped", 0)),
                   "watchdog_stale_events": str(c.watchdog.stale_events), "request_timeouts": str(self.request_timeouts),
-                  "cached_calls": str(self.cached_calls), "masks_missed": str(self.stage.masks_missed)}
-        warn = "plan went stale at least once" if c.watchdog.stale_events else ""
+                  "cached_calls": str(self.cached_calls), "masks_missed": str(self.stage.masks_missed),
+                  "rejected_chunks": str(c.rejected), "stale_slots": str(self.stale_slots),
+                  "holds_published": str(self.holds_published),
+                  "refused_joint_states": str(self.refused_joint_states),
+                  "refused_instructions": str(self.refused_instructions),
+                  "instruction_changes": str(self.instruction_changes), "task": self.task or "",
+                  "last_refusal": self.last_refusal,
+                  "plan_stale": str(self.tick >= 0 and c.watchdog.is_stale(self.tick))}
+        warn = ("plan stale: holding" if self.tick >= 0 and c.watchdog.is_stale(self.tick) else
+                "plan went stale at least once" if c.watchdog.stale_events else "")
         self.diag_pub.publish(diagnostic_array(self, "vla_runtime: policy", self.profile.name, values, warn))
 
     def destroy_node(self) -> None:

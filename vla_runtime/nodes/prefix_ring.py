@@ -11,6 +11,7 @@ REQUEST_TOPIC = "/vla_runtime/prefix_request"   # policy -> vision: PrefixReques
 READY_TOPIC = "/vla_runtime/slot_ready"         # vision -> policy: SlotReady
 QUERY_TOPIC = "/vla_runtime/reference_query"    # vision -> cache manager: ReferenceQuery
 REPLY_TOPIC = "/vla_runtime/reference_reply"    # cache manager -> vision: ReferenceReply
+EPISODE_TOPIC = "/vla_runtime/episode_start"    # robot -> policy: std_msgs/Empty, the same task starts again
 
 
 def prefix_layout(spec: PrefixSlotSpec) -> SlotLayout:

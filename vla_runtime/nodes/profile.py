@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from ..engine.stitching import StitchConfig
+from ..models.config import PRESETS
 
 OUTPUT_KINDS = ("joint_trajectory", "interbotix_joint_group")
 PREDICTORS = ("absolute", "delta", "observed")
@@ -49,7 +50,7 @@ class OutputSpec:
 @dataclass(frozen=True)
 class EngineSpec:
     checkpoint: str | None = None
-    preset: str = "pi05-small"
+    preset: str | None = None    # when set: the checkpoint's architecture must be this preset's (checked at start-up)
     dtype: str = "float32"
     device: str = "cpu"
     threads: int | None = None
@@ -162,6 +163,8 @@ class RobotProfile:
         if not (isinstance(c.reference_timeout_s, (int, float)) and 0 < c.reference_timeout_s <= 60):
             raise bad("cache.reference_timeout_s", f"must be in (0, 60] s, got {c.reference_timeout_s!r}")
         e = self.engine
+        if e.preset is not None and e.preset not in PRESETS:
+            raise bad("engine.preset", f"must be null or one of {sorted(PRESETS)}, got {e.preset!r}")
         if e.dtype not in ("float32", "bfloat16", "float16"):
             raise bad("engine.dtype", f"must be float32, bfloat16 or float16, got {e.dtype!r}")
         if not isinstance(e.device, str) or not (e.device == "cpu" or e.device.split(":")[0] == "cuda"):

@@ -31,8 +31,8 @@ from ..engine.cached import CacheConfig
 from ..engine.policy import Observation, Pi05Policy
 from ..engine.timing import PhaseTimer
 from ..ipc.layout import FieldSpec, SlotLayout
-from ..ipc.ring import RingBuffer, RingBufferError
-from ..models.config import Pi05Config
+from ..ipc.ring import LayoutMismatchError, RingBuffer, RingBufferError
+from ..models.config import Pi05Config, preset
 from .profile import CacheSpec, EngineSpec
 from .prefix_ring import DEFAULT_RING, prefix_layout
 from .workers import (CacheWorker, PolicyWorker, PrefixMeta, PrefixSlotSpec, ReferenceChoice, VisionWorker)
@@ -54,15 +54,18 @@ class PrefixRequestNote:
     start_tick: int
     state: tuple[float, ...]
     task: str
+    episode: int = 0        # a new number starts a new episode (the cache manager resets)
 
 
 @dataclass(frozen=True)
 class SlotNote:
-    """A payload is ready: ``ring`` slot ``slot`` holds sequence ``seq``."""
+    """A payload is ready: ``ring`` slot ``slot`` holds sequence ``seq`` (``layout_tag``: the
+    writer's slot layout; a reader expecting another one refuses the note before reading)."""
 
     ring: str
     slot: int
     seq: int
+    layout_tag: str = ""
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,7 @@ class QueryNote:
     task: str
     slot: int
     seq: int
+    episode: int = 0
 
 
 @dataclass(frozen=True)
@@ -122,25 +126,73 @@ def manager_config(spec: CacheSpec, repo: ReferenceRepository, arm_slices: tuple
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_policy(checkpoint: str | Path, engine: EngineSpec, cameras: Sequence[str]) -> Pi05Policy:
+def load_policy(checkpoint: str | Path, engine: EngineSpec, cameras: Sequence[str],
+                state_dim: int | None = None) -> Pi05Policy:
     """The model as the profile's engine section says (dtype, device, threads); on CPU the nodes map
-    one shared file of fused weights instead of holding a copy each (``share_weights``)."""
+    one shared file of fused weights instead of holding a copy each (``share_weights``).
+
+    Refused at start-up (ValueError naming the difference): a checkpoint whose architecture is not
+    the profile's ``engine.preset`` (when the profile names one), or whose state/action dimensions
+    are not the profile's ``state_dim`` joints (the nodes build the state from those joints and
+    send every action column to one of them)."""
     if engine.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"engine.device is {engine.device!r} but no CUDA device is available to this process; "
                          "set engine.device: cpu in the profile")
     if engine.threads:
         torch.set_num_threads(engine.threads)
-    return Pi05Policy.from_checkpoint(checkpoint, camera_names=list(cameras), dtype=DTYPES[engine.dtype],
-                                      device=engine.device, share_weights=engine.share_weights and engine.device == "cpu")
+    policy = Pi05Policy.from_checkpoint(checkpoint, camera_names=list(cameras), dtype=DTYPES[engine.dtype],
+                                        device=engine.device,
+                                        share_weights=engine.share_weights and engine.device == "cpu")
+    problem = checkpoint_mismatch(policy, engine.preset, state_dim)
+    if problem:
+        raise ValueError(f"checkpoint {checkpoint} does not match the profile: {problem}")
+    return policy
+
+
+def checkpoint_mismatch(policy: Pi05Policy, preset_name: str | None, state_dim: int | None) -> str:
+    """What differs between a loaded checkpoint and the profile ('' when nothing does)."""
+    out = []
+    if preset_name:
+        want, have = model_summary(preset(preset_name)), model_summary(policy.engine.cfg)
+        diff = [f"{k} {have[k]} (preset {preset_name!r}: {want[k]})" for k in want if have.get(k) != want[k]]
+        if diff:
+            out.append(f"architecture is not engine.preset {preset_name!r}: " + ", ".join(diff))
+    if state_dim is not None:
+        if policy.state_dim != state_dim:
+            out.append(f"the checkpoint's state has {policy.state_dim} dims, the profile has {state_dim} joints")
+        if policy.action_norm.dim != state_dim:
+            out.append(f"the checkpoint's actions have {policy.action_norm.dim} dims, the profile has "
+                       f"{state_dim} joints")
+    return "; ".join(out)
 
 
 def _attach_working_set(name: str) -> WorkingSetReader | None:
     try:
         ring = RingBuffer.attach(name, RingBuffer.peek_layout(name))
-    except (RingBufferError, OSError) as e:
-        log.warning("working set %r not readable (%s): dense until the cache manager is up", name, e)
+    except (RingBufferError, OSError) as e:   # asked again every call: the diagnostics carry the reason
+        log.debug("working set %r not readable (%s): dense until the cache manager is up", name, e)
         return None
     return WorkingSetReader(ring)
+
+
+def _current_working_set(reader: WorkingSetReader | None, name: str) -> WorkingSetReader | None:
+    """The working set to read now: ``reader`` unless its ring was superseded (the cache manager
+    restarted: a new segment, sequences from 0 again, maybe another layout), then a fresh
+    attachment (None while there is no working set)."""
+    if reader is not None and reader.ring.superseded():
+        reader.ring.close()
+        reader = None
+    return reader if reader is not None else _attach_working_set(name)
+
+
+def _current_ring(ring: RingBuffer | None, name: str, layout: SlotLayout) -> RingBuffer:
+    """``ring`` if it is still the live ring called ``name``, else a fresh attachment (a restarted
+    writer's new segment); raises RingBufferError/OSError when there is none to attach to."""
+    if ring is not None and ring.name == name and not ring.superseded():
+        return ring
+    if ring is not None:
+        ring.close()
+    return RingBuffer.attach(name, layout)
 
 
 # ---------------------------------------------------------------- vision
@@ -157,6 +209,7 @@ class VisionStage:
         if cache is not None:
             self.query = RingBuffer.create(rings.query, query_layout(policy.engine.cfg), 2, replace_stale=True)
         self.working_set: WorkingSetReader | None = None
+        self._had_working_set = False
         self.last_choice: ReferenceChoice | None = None
         self.last_timer: PhaseTimer | None = None
 
@@ -171,11 +224,12 @@ class VisionStage:
         self.last_choice = None
         if self.query is not None and ask is not None:
             with timer.phase("retrieve"):
-                choice = ask(self._write_query(req, vp.features))
+                down = self.cache_manager_down()
+                choice = ReferenceChoice(req.request_seq, reason=down) if down else \
+                    ask(self._write_query(req, vp.features))
                 self.last_choice = choice
                 if choice is not None and choice.found and choice.request_seq == req.request_seq:
-                    if self.working_set is None:
-                        self.working_set = _attach_working_set(self.rings.working_set)
+                    self.working_set = _current_working_set(self.working_set, self.rings.working_set)
                     if self.working_set is not None:
                         reference = self.working_set.read_entry(choice.slot, choice.seq)
                         at = (choice.slot, choice.seq) if reference is not None else at
@@ -186,7 +240,21 @@ class VisionStage:
             slot, seq = writer.commit({**meta.as_dict(), "request_seq": int(req.request_seq),
                                        "start_tick": int(req.start_tick)})
         self.last_timer = timer
-        return SlotNote(self.prefix.name, slot, seq)
+        return SlotNote(self.prefix.name, slot, seq, self.prefix.layout.tag)
+
+    def cache_manager_down(self) -> str:
+        """Why no cache manager can answer now ('' when one may): its working set was there and
+        is gone or its writer died. The call then runs dense at once instead of waiting for an
+        answer that cannot come; once a cache manager (re)creates the working set it is asked
+        again. Before any working set was seen (start-up, or a cache manager that refused its
+        repository and answers with the reason) it is always asked."""
+        self.working_set = _current_working_set(self.working_set, self.rings.working_set)
+        if self.working_set is not None:
+            self._had_working_set = True
+            if self.working_set.ring.superseded():
+                return "cache manager not running (its process is gone)"
+            return ""
+        return "cache manager not running (working set gone)" if self._had_working_set else ""
 
     def _write_query(self, req: PrefixRequestNote, features: Tensor) -> QueryNote:
         assert self.query is not None
@@ -198,7 +266,7 @@ class VisionStage:
             wr["features"][: rows.shape[0]].copy_(rows)
             wr["state"][: state.size].copy_(torch.from_numpy(state))
             slot, seq = wr.commit({"rows": int(rows.shape[0]), "state_dim": int(state.size)})
-        return QueryNote(req.request_seq, req.task, slot, seq)
+        return QueryNote(req.request_seq, req.task, slot, seq, req.episode)
 
     def heartbeat(self) -> None:
         self.prefix.heartbeat()
@@ -263,11 +331,12 @@ class CacheStage:
         """The reference for one query (dense, with the reason, whenever something is off)."""
         if self.worker is None:
             return ReferenceChoice(q.request_seq, reason=self.disabled_reason)
-        if self.query is None:
-            try:
-                self.query = RingBuffer.attach(self.rings.query, query_layout(self.cfg))
-            except (RingBufferError, OSError) as e:
-                return ReferenceChoice(q.request_seq, reason=f"query ring: {e}")
+        try:   # re-attached when the vision side restarted (new segment, sequences from 0 again)
+            self.query = _current_ring(self.query, self.rings.query, query_layout(self.cfg))
+        except (RingBufferError, OSError) as e:
+            self.query = None
+            return ReferenceChoice(q.request_seq, reason=f"query ring: {e}")
+        if self.query_buf is None:
             self.query_buf = {f.name: torch.zeros(f.shape, dtype=f.dtype) for f in self.query.layout.fields}
         info = self.query.read(q.slot, q.seq, self.query_buf)
         if info is None or not isinstance(info.meta, dict):
@@ -275,7 +344,7 @@ class CacheStage:
         rows, dim = int(info.meta["rows"]), int(info.meta["state_dim"])
         try:
             return self.worker.query(q.request_seq, q.task, self.query_buf["features"][:rows],
-                                     self.query_buf["state"][:dim].numpy())
+                                     self.query_buf["state"][:dim].numpy(), q.episode)
         except (ValueError, RuntimeError) as e:   # a query the repository cannot serve: this call runs dense
             return ReferenceChoice(q.request_seq, reason=f"query refused: {e}")
 
@@ -324,9 +393,20 @@ class PolicyStage:
         return torch.Generator().manual_seed(self.seed * 1_000_003 + request_seq)
 
     def act(self, note: SlotNote) -> ChunkResult | None:
-        """Denoise the announced slot; None when it was overwritten before it was read."""
-        if self.prefix is None:
-            self.prefix = RingBuffer.attach(note.ring, self.layout)   # refused layouts raise, with the diff
+        """Denoise the announced slot; None when it was overwritten before it was read.
+
+        A note whose layout tag is not this policy's, a ring whose layout differs (the error
+        names the difference) or a missing ring raise RingBufferError before anything is read.
+        A ring whose writer restarted is re-attached first (``RingBuffer.superseded``): the old
+        mapping may hold a payload with the very sequence the new writer announces."""
+        if note.layout_tag and note.layout_tag != self.layout.tag:
+            raise LayoutMismatchError(f"slot note for ring {note.ring!r} has layout tag {note.layout_tag}, this "
+                                      f"policy reads {self.layout.tag} (another checkpoint or version on the vision side)")
+        try:
+            self.prefix = _current_ring(self.prefix, note.ring, self.layout)
+        except (RingBufferError, OSError):
+            self.prefix = None
+            raise
         info = self.prefix.read(note.slot, note.seq, self.slot_buf)
         if info is None or not isinstance(info.meta, dict):
             return None
@@ -339,8 +419,7 @@ class PolicyStage:
     def _masks(self, meta: PrefixMeta) -> Tensor | None:
         if meta.ref_slot < 0 or self.worker.buffers is None:
             return None
-        if self.working_set is None:
-            self.working_set = _attach_working_set(self.rings.working_set)
+        self.working_set = _current_working_set(self.working_set, self.rings.working_set)
         masks = None if self.working_set is None else self.working_set.read_masks(meta.ref_slot, meta.ref_seq)
         if masks is None:   # the entry left the window since the vision stage used it: dense denoising
             self.masks_missed += 1

@@ -228,17 +228,23 @@ class PolicyWorker:
 class CacheWorker:
     """The cache manager's side of a call: query -> reference, then upkeep of the working set.
 
-    Episodes follow the instruction: a new task starts a new episode (task pack, fresh window).
+    A new episode (task pack, fresh window, retrieval state reset) starts when the instruction
+    changes or the caller's episode number does (the same task repeated at a station).
     """
 
     def __init__(self, manager: CacheManager):
         self.manager = manager
         self.last_prepare: PrepareReport | None = None
+        self.episodes_started = 0
+        self.episode: int | None = None
 
-    def query(self, request_seq: int, task: str, features: Tensor, state: np.ndarray | Tensor) -> ReferenceChoice:
+    def query(self, request_seq: int, task: str, features: Tensor, state: np.ndarray | Tensor,
+              episode: int = 0) -> ReferenceChoice:
         m = self.manager
-        if task != m.task:
+        if task != m.task or episode != self.episode:
             m.start_episode(task)
+            self.episodes_started += 1
+            self.episode = episode
         m.observe_state(torch.as_tensor(np.asarray(state, dtype=np.float32)))
         ref = m.select(features)
         match = m.last_match
@@ -260,4 +266,5 @@ class CacheWorker:
         return {"queries": str(st.queries), "hits": str(st.hits), "hit_rate": f"{rate:.3f}",
                 "fallbacks": str(st.fallbacks), "stalls": str(st.stalls),
                 "last_similarity": f"{st.last_similarity:.4f}", "prepared_entries": str(len(self.manager.entries)),
-                "reason": self.manager.retriever.reason or ""}
+                "reason": self.manager.retriever.reason or "", "task": self.manager.task or "",
+                "episodes_started": str(self.episodes_started)}

@@ -1,0 +1,311 @@
+"""Driver for test_faults.py, run inside one private network namespace (not a test module).
+
+    python fault_peers.py run SPEC_JSON
+
+Starts the real vision, policy and cache manager node processes once, then plays a test robot
+(rclpy, this process) through a sequence of bad inputs and faults, one phase at a time: each
+phase changes what the robot publishes (or kills, stalls, restarts a node) and waits, bounded,
+for the nodes' diagnostics to report it and for the robot to be served again. Every
+JointTrajectory and ActionChunk the policy publishes is checked: finite, within the joint
+limits. Prints a JSON report (per phase: what was seen) on the last line of stdout.
+SPEC_JSON: {"profile": path, "images": {camera: [[...]]}, "state": [...], "task": str,
+"other_task": str, "joint_names": [...], "lower": [...], "upper": [...], "cameras": {camera:
+topic}, "rings": suffix, "timeout": seconds per phase}.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from vla_runtime.testing.netns import assert_only_loopback
+
+NODES = ("cache_manager_node", "vision_node", "policy_node")
+
+
+def start_node(name: str, spec: dict) -> subprocess.Popen:
+    sfx = spec["rings"]
+    args = ["--ros-args", "-p", f"profile:={spec['profile']}", "-p", f"working_set:=refs_{sfx}"]
+    extra = {"vision_node": ["-p", f"ring:=prefix_{sfx}", "-p", f"query_ring:=query_{sfx}"],
+             "cache_manager_node": ["-p", f"query_ring:=query_{sfx}"], "policy_node": []}
+    log = open(os.path.join(spec["logs"], f"{name}.log"), "a")
+    return subprocess.Popen([sys.executable, "-m", f"vla_runtime.nodes.{name}", *args, *extra[name]],
+                            stdout=log, stderr=subprocess.STDOUT, text=True)
+
+
+def scenario(spec: dict, nodes: dict) -> dict:
+    import numpy as np
+    import rclpy
+    from builtin_interfaces.msg import Time
+    from diagnostic_msgs.msg import DiagnosticArray
+    from rcl_interfaces.msg import Parameter, ParameterType, ParameterValue
+    from rcl_interfaces.srv import GetParameters, SetParameters
+    from sensor_msgs.msg import Image, JointState
+    from std_msgs.msg import String
+    from trajectory_msgs.msg import JointTrajectory
+
+    from vla_runtime.msg import ActionChunk, PrefixRequest
+
+    rclpy.init()
+    node = rclpy.create_node("test_robot")
+    lower, upper = np.asarray(spec["lower"]), np.asarray(spec["upper"])
+    report: dict = {"phases": {}, "violations": [], "trajectories": 0, "chunks": 0, "holds": 0}
+    diag: dict = {}
+    chunks: list = []
+    requests: list = []
+
+    def check(values, what: str) -> None:
+        a = np.asarray(values, dtype=np.float64)
+        if not np.isfinite(a).all() or (a < lower - 1e-9).any() or (a > upper + 1e-9).any():
+            report["violations"].append(f"{what}: {a.tolist()}")
+
+    def on_traj(m) -> None:
+        report["trajectories"] += 1
+        report["holds"] += int(len(m.points) == 1)
+        for p in m.points:
+            check(p.positions, "trajectory point")
+
+    def on_chunk(m) -> None:
+        report["chunks"] += 1
+        check(np.asarray(m.actions).reshape(m.chunk_length, m.action_dim), f"action chunk {m.call_id}")
+        chunks.append((time.monotonic(), int(m.call_id), m.source))
+
+    def on_diag(m) -> None:
+        s = m.status[0]
+        diag[s.name] = {"level": int.from_bytes(s.level, "little") if isinstance(s.level, bytes) else int(s.level),
+                        "message": s.message, **{kv.key: kv.value for kv in s.values}}
+
+    node.create_subscription(JointTrajectory, "/joint_trajectory_controller/joint_trajectory", on_traj, 50)
+    node.create_subscription(ActionChunk, "/vla_runtime/action_chunk", on_chunk, 50)
+    node.create_subscription(DiagnosticArray, "/diagnostics", on_diag, 50)
+    node.create_subscription(PrefixRequest, "/vla_runtime/prefix_request",
+                             lambda m: requests.append((time.monotonic(), int(m.request_seq))), 50)
+    cams = {c: node.create_publisher(Image, t, 10) for c, t in spec["cameras"].items()}
+    joints = node.create_publisher(JointState, "/joint_states", 10)
+    instruction = node.create_publisher(String, "/instruction", 10)
+    images = {c: np.asarray(v, dtype=np.uint8) for c, v in spec["images"].items()}
+    names = list(spec["joint_names"])
+    state = [float(x) for x in spec["state"]]
+    # What the robot publishes each period; phases change it.
+    mode: dict = {"task": spec["task"], "frozen": None, "image": {}, "joints_extra": None}
+
+    def now_stamp(offset_s: float = 0.0) -> Time:
+        ns = node.get_clock().now().nanoseconds + int(offset_s * 1e9)
+        return Time(sec=ns // 1_000_000_000, nanosec=ns % 1_000_000_000)
+
+    def image_msg(cam: str):
+        img = images[cam]
+        m = Image(height=img.shape[0], width=img.shape[1], encoding="rgb8", step=img.shape[1] * 3)
+        m.data = img.tobytes()
+        m.header.stamp = now_stamp()
+        bad = mode["image"].get(cam)
+        if bad == "encoding":
+            m.encoding = "yuv422"
+        elif bad == "size":
+            m.height = img.shape[0] * 4
+        elif bad == "future":
+            m.header.stamp = now_stamp(+30.0)
+        elif bad == "old":
+            m.header.stamp = now_stamp(-30.0)
+        if mode["frozen"] is not None and mode["frozen"][0] == cam:
+            m.header.stamp = mode["frozen"][1]                   # the same (recent) stamp, again and again
+        return m
+
+    def publish() -> None:
+        for c in cams:
+            cams[c].publish(image_msg(c))
+        js = JointState(name=names, position=state)
+        js.header.stamp = now_stamp()
+        joints.publish(js)
+        if mode["joints_extra"] is not None:
+            joints.publish(mode["joints_extra"])
+        instruction.publish(String(data=mode["task"]))
+
+    node.create_timer(0.05, publish)
+
+    def spin_until(pred, timeout: float | None = None) -> bool:
+        deadline = time.monotonic() + (timeout or spec["timeout"])
+        while time.monotonic() < deadline:
+            rclpy.spin_once(node, timeout_sec=0.05)
+            if pred():
+                return True
+        return False
+
+    def d(name: str, key: str, default: str = "") -> str:
+        return diag.get(f"vla_runtime: {name}", {}).get(key, default)
+
+    def n(name: str, key: str) -> int:
+        return int(d(name, key, "0") or 0)
+
+    def chunk_after(t: float, source: str | None = None) -> bool:
+        return any(ct > t and (source is None or src == source) for ct, _, src in chunks)
+
+    def phase(name: str, **seen) -> None:
+        report["phases"][name] = {**seen, "violations_so_far": len(report["violations"])}
+
+    # ---- 0: the pipeline serves the robot
+    ok = spin_until(lambda: chunk_after(0, "cached") and n("vision", "calls") >= 1 and n("cache manager", "queries") >= 1,
+                    timeout=spec["timeout"] * 3)
+    phase("warm_up", ok=ok, sources=sorted({s for _, _, s in chunks}))
+
+    # ---- 1-4: bad images (each camera message refused at the boundary, the others keep the robot served)
+    for bad, cam, text in [("encoding", "top", "unsupported Image encoding"), ("size", "wrist", "inconsistent"),
+                           ("future", "top", "in the future"), ("old", "wrist", "s old, older than")]:
+        before = n("vision", "refused_images")
+        mode["image"] = {cam: bad}
+        ok = spin_until(lambda: n("vision", "refused_images") > before and text in d("vision", "last_refusal"))
+        mode["image"] = {}
+        t = time.monotonic()
+        served = spin_until(lambda: chunk_after(t))
+        phase(f"image_{bad}", ok=ok, refusal=d("vision", "last_refusal"), served_after=served)
+
+    # ---- 5: a frozen camera: calls refused, the policy holds; served again once it sends new frames
+    holds = n("policy", "holds_published")
+    mode["frozen"] = ("wrist", now_stamp())
+    ok = spin_until(lambda: "frozen" in d("vision", "stale_cameras") and n("policy", "holds_published") > holds)
+    stale, level = d("vision", "stale_cameras"), diag.get("vla_runtime: vision", {}).get("level")
+    mode["frozen"] = None
+    t = time.monotonic()
+    served = spin_until(lambda: chunk_after(t))
+    phase("camera_frozen", ok=ok, stale_cameras=stale, vision_level=level, served_after=served)
+
+    # ---- 6-9: bad joint states next to the good ones
+    for what, msg, text in [("wrong_names", JointState(name=["elbow", "wrist"], position=[0.0, 0.0]), "match none"),
+                            ("wrong_length", JointState(name=names, position=state[:-1]), "names but"),
+                            ("nan", JointState(name=names, position=[math.nan] + state[1:]), "non-finite"),
+                            ("future_stamp", JointState(name=names, position=state), "in the future"),
+                            ("old_stamp", JointState(name=names, position=state), "s old, older than")]:
+        if what == "future_stamp":
+            msg.header.stamp = now_stamp(+30.0)
+        elif what == "old_stamp":
+            msg.header.stamp = now_stamp(-30.0)
+        before = n("policy", "refused_joint_states")
+        mode["joints_extra"] = msg
+        ok = spin_until(lambda: n("policy", "refused_joint_states") > before and text in d("policy", "last_refusal"))
+        mode["joints_extra"] = None
+        phase(f"joint_state_{what}", ok=ok, refusal=d("policy", "last_refusal"))
+
+    # ---- 10: an empty instruction is ignored
+    before = n("policy", "refused_instructions")
+    instruction.publish(String(data="   "))
+    ok = spin_until(lambda: n("policy", "refused_instructions") > before)
+    phase("instruction_empty", ok=ok, task=d("policy", "task"), refusal=d("policy", "last_refusal"))
+
+    # ---- 11: a changed instruction starts a new episode in the cache manager (and back)
+    episodes, changes = n("cache manager", "episodes_started"), n("policy", "instruction_changes")
+    mode["task"] = spec["other_task"]
+    ok = spin_until(lambda: d("cache manager", "task") == spec["other_task"]
+                    and n("cache manager", "episodes_started") > episodes
+                    and n("policy", "instruction_changes") > changes)
+    changed = (d("policy", "instruction_changes"), d("cache manager", "reason"))
+    mode["task"] = spec["task"]
+    t = time.monotonic()
+    back = spin_until(lambda: d("cache manager", "task") == spec["task"] and chunk_after(t, "cached"))
+    phase("instruction_changed", ok=ok and back, changes=d("policy", "instruction_changes"), cache_reason=changed[1],
+          episodes_started=d("cache manager", "episodes_started"))
+
+    # ---- 12: parameters at run time (what `ros2 param set` does)
+    def set_param(target: str, name: str, value) -> tuple[bool, str]:
+        cli = node.create_client(SetParameters, f"/{target}/set_parameters")
+        if not cli.wait_for_service(timeout_sec=10.0):
+            return False, "no service"
+        pv = ParameterValue(type=ParameterType.PARAMETER_DOUBLE, double_value=value) if isinstance(value, float) \
+            else ParameterValue(type=ParameterType.PARAMETER_INTEGER, integer_value=value)
+        fut = cli.call_async(SetParameters.Request(parameters=[Parameter(name=name, value=pv)]))
+        rclpy.spin_until_future_complete(node, fut, timeout_sec=10.0)
+        r = fut.result().results[0]
+        return bool(r.successful), r.reason
+
+    def get_param(target: str, name: str):
+        cli = node.create_client(GetParameters, f"/{target}/get_parameters")
+        cli.wait_for_service(timeout_sec=10.0)
+        fut = cli.call_async(GetParameters.Request(names=[name]))
+        rclpy.spin_until_future_complete(node, fut, timeout_sec=10.0)
+        v = fut.result().values[0]
+        return v.double_value if v.type == ParameterType.PARAMETER_DOUBLE else v.integer_value
+
+    phase("parameters", out_of_range=set_param("vla_policy", "request_timeout_s", -1.0),
+          fixed=set_param("vla_policy", "seed", 5), vision_out_of_range=set_param("vla_vision", "frozen_after", 1),
+          accepted=set_param("vla_policy", "request_timeout_s", 2.5),
+          value_after=get_param("vla_policy", "request_timeout_s"), seed_after=get_param("vla_policy", "seed"))
+
+    # ---- 13: the vision node stalls: the policy holds; its late slot is not executed
+    seen = len(requests)
+    nodes["vision_node"].send_signal(signal.SIGSTOP)
+    t_stop = time.monotonic()
+    holds = n("policy", "holds_published")
+    ok = spin_until(lambda: n("policy", "holds_published") > holds and len(requests) > seen + 1)   # held, asked again
+    in_flight = [s for t_, s in requests if t_ < t_stop][-1:]
+    during = [s for t_, s in requests if t_ >= t_stop]
+    nodes["vision_node"].send_signal(signal.SIGCONT)
+    t = time.monotonic()
+    served = spin_until(lambda: chunk_after(t))
+    spin_until(lambda: False, timeout=1.0)
+    abandoned = sorted(set(in_flight + during) - {max(during)}) if during else []
+    phase("vision_stalled", ok=ok, served_after=served, abandoned=abandoned,
+          late_executed=[c for ct, c, _ in chunks if ct > t and c in abandoned], stale_slots=d("policy", "stale_slots"))
+
+    # ---- 14: the vision node dies: the policy holds within its watchdog, says so; recovery on restart
+    holds = n("policy", "holds_published")
+    nodes["vision_node"].kill()
+    nodes["vision_node"].wait()
+    t = time.monotonic()
+    ok = spin_until(lambda: n("policy", "holds_published") > holds and d("policy", "plan_stale") == "True")
+    held = (d("policy", "plan_stale"), diag.get("vla_runtime: policy", {}).get("message"))
+    nodes["vision_node"] = start_node("vision_node", spec)
+    t = time.monotonic()
+    back = spin_until(lambda: chunk_after(t), timeout=spec["timeout"] * 3)
+    phase("vision_killed", ok=ok, held=held, recovered=back)
+
+    # ---- 15: the cache manager dies: calls go dense at once; cached again when it returns
+    nodes["cache_manager_node"].kill()
+    nodes["cache_manager_node"].wait()
+    t = time.monotonic()
+    dense = spin_until(lambda: chunk_after(t, "dense"))
+    reason = d("vision", "dense_reason")
+    nodes["cache_manager_node"] = start_node("cache_manager_node", spec)
+    t = time.monotonic()
+    back = spin_until(lambda: chunk_after(t, "cached"), timeout=spec["timeout"] * 3)
+    phase("cache_manager_killed", dense=dense, reason=reason, recovered_cached=back)
+
+    # ---- 16: the policy node dies: the others and the rings survive; it resumes on restart
+    nodes["policy_node"].kill()
+    nodes["policy_node"].wait()
+    alive = {k: p.poll() is None for k, p in nodes.items() if k != "policy_node"}
+    nodes["policy_node"] = start_node("policy_node", spec)
+    t = time.monotonic()
+    back = spin_until(lambda: chunk_after(t), timeout=spec["timeout"] * 3)
+    phase("policy_killed", others_alive=alive, recovered=back)
+
+    node.destroy_node()
+    rclpy.shutdown()
+    return report
+
+
+def run(spec: dict) -> int:
+    assert_only_loopback()
+    nodes = {name: start_node(name, spec) for name in NODES}
+    try:
+        report = scenario(spec, nodes)
+    finally:
+        for p in nodes.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+        for p in nodes.values():
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    report["exit_codes"] = {k: p.returncode for k, p in nodes.items()}
+    print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit({"run": run}[sys.argv[1]](json.loads(sys.argv[2])))

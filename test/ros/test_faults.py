@@ -1,0 +1,141 @@
+"""Bad inputs and faults against the real vision, policy and cache manager node processes (rclpy,
+shared-memory rings), started once in a private network namespace; a test robot process feeds
+the cases in sequence (fault_peers.py). Throughout, nothing the policy publishes is NaN or beyond
+a joint limit, every case shows in the nodes' diagnostics, and the robot is served again after
+each one: bad images, a frozen camera, bad joint states, stamps from the future and too old, an
+empty and a changed instruction, run-time parameter changes (refused and accepted), a stalled
+vision node (held; its late slot not executed), and the vision, cache manager and policy nodes
+killed (SIGKILL) and restarted."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from vla_runtime.cache.builder import BuildConfig, build_repository
+from vla_runtime.engine.policy import Pi05Policy
+from vla_runtime.io.bags import list_episode_bags, read_episode
+from vla_runtime.testing.netns import ros_env, run_in_private_netns
+from vla_runtime.tools.demo import DemoSpec, demo_topics, make_demo
+
+ROOT = Path(__file__).resolve().parents[2]
+INSTALL = ROOT / "install"
+PEERS = Path(__file__).with_name("fault_peers.py")
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> dict:
+    if not (INSTALL / "setup.bash").is_file():
+        pytest.fail(f"{INSTALL}/setup.bash missing: build the ROS 2 side first with `make ros`")
+    tmp = tmp_path_factory.mktemp("ros_faults")
+    demo = make_demo(tmp / "demo", DemoSpec(preset="pi05-tiny", episodes=3, held_out=1, steps_per_episode=20),
+                     log=lambda m: None)
+    cams = ("top", "wrist")
+    builder = Pi05Policy.from_checkpoint(demo["checkpoint"], camera_names=list(cams))
+    build_repository(builder, builder.checkpoint_hash, list_episode_bags(demo["references"]), tmp / "repo",
+                     demo_topics(cams), call_period=0.5, cfg=BuildConfig(rho_n=0.5), log=lambda m: None)
+    profile = yaml.safe_load((ROOT / "config" / "sim.yaml").read_text())
+    profile["engine"].update(checkpoint=str(demo["checkpoint"]), preset="pi05-tiny", threads=1)
+    profile["control_hz"] = 20.0
+    profile["cache"] = {"enabled": True, "repository": str(tmp / "repo"), "reference_timeout_s": 5.0}
+    (tmp / "profile.yaml").write_text(yaml.safe_dump(profile))
+    episode = read_episode(list_episode_bags(demo["held_out"])[0], demo_topics(cams), call_period=0.5)
+    frame = episode.frames[0]
+    (tmp / "logs").mkdir()
+    spec = {"profile": str(tmp / "profile.yaml"), "logs": str(tmp / "logs"),
+            "images": {c: np.asarray(frame.images[c], dtype=np.uint8).tolist() for c in cams},
+            "state": np.asarray(frame.state).tolist(), "task": episode.task, "other_task": "wipe the table",
+            "joint_names": profile["joint_names"], "lower": profile["joint_lower"], "upper": profile["joint_upper"],
+            "cameras": {c: v["topic"] for c, v in profile["cameras"].items()}, "rings": f"f{os.getpid()}",
+            "timeout": 20.0}
+    try:
+        out = run_in_private_netns([sys.executable, str(PEERS), "run", json.dumps(spec)], env=ros_env(INSTALL),
+                                   timeout=420, cwd=tmp)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"fault scenario timed out; stderr:\n{exc.stderr}\nlogs: {_logs(tmp)}")
+    assert out.returncode == 0, f"{out.stderr}\nlogs: {_logs(tmp)}"
+    rep = json.loads(out.stdout.strip().splitlines()[-1])
+    (tmp / "report.json").write_text(json.dumps(rep, indent=1))   # what each phase saw, for a reader
+    rep["logs"] = _logs(tmp)
+    return rep
+
+
+def _logs(tmp: Path) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((tmp / "logs").glob("*.log")))
+
+
+def _phase(report: dict, name: str) -> dict:
+    return report["phases"][name]
+
+
+def test_nothing_published_is_nan_or_beyond_a_joint_limit(report):
+    assert report["violations"] == [], report["violations"][:5]
+    assert report["trajectories"] > 0 and report["chunks"] > 0
+    assert _phase(report, "warm_up")["ok"], report["logs"]
+
+
+@pytest.mark.parametrize("bad", ["encoding", "size", "future", "old"])
+def test_bad_image_is_refused_reported_and_the_robot_served_again(report, bad):
+    p = _phase(report, f"image_{bad}")
+    assert p["ok"] and p["served_after"], p
+    assert p["refusal"].startswith("image refused: camera "), p
+
+
+def test_frozen_camera_holds_the_robot_until_it_sends_new_frames(report):
+    p = _phase(report, "camera_frozen")
+    assert p["ok"] and p["served_after"], p
+    assert "camera 'wrist' frozen" in p["stale_cameras"] and p["vision_level"] == 1, p   # WARN
+
+
+@pytest.mark.parametrize("what", ["wrong_names", "wrong_length", "nan", "future_stamp", "old_stamp"])
+def test_bad_joint_state_is_refused_and_reported(report, what):
+    p = _phase(report, f"joint_state_{what}")
+    assert p["ok"] and p["refusal"].startswith("joint state refused: "), p
+
+
+def test_empty_instruction_is_ignored_and_the_task_continues(report):
+    p = _phase(report, "instruction_empty")
+    assert p["ok"] and p["task"] and "empty instruction ignored" in p["refusal"], p
+
+
+def test_changed_instruction_starts_a_new_episode_in_the_cache_manager(report):
+    p = _phase(report, "instruction_changed")
+    assert p["ok"] and int(p["changes"]) >= 1 and "no task pack" in p["cache_reason"], p
+
+
+def test_parameters_are_validated_at_run_time(report):
+    p = _phase(report, "parameters")
+    assert p["out_of_range"][0] is False and "must be in (0, 600]" in p["out_of_range"][1], p
+    assert p["fixed"][0] is False and p["seed_after"] == 0, p          # read-only: fixed at start-up
+    assert p["vision_out_of_range"][0] is False and "frozen_after" in p["vision_out_of_range"][1], p
+    assert p["accepted"] == [True, ""] and p["value_after"] == 2.5, p
+
+
+def test_stalled_vision_node_holds_and_its_late_slot_is_not_executed(report):
+    p = _phase(report, "vision_stalled")
+    assert p["ok"] and p["served_after"] and p["abandoned"], p
+    assert p["late_executed"] == [], p
+
+
+def test_vision_node_killed_the_policy_holds_and_recovers_on_restart(report):
+    p = _phase(report, "vision_killed")
+    assert p["ok"] and p["held"] == ["True", "plan stale: holding"], p
+    assert p["recovered"], report["logs"]
+
+
+def test_cache_manager_killed_calls_go_dense_then_cached_again_on_restart(report):
+    p = _phase(report, "cache_manager_killed")
+    assert p["dense"] and p["recovered_cached"], (p, report["logs"])
+
+
+def test_policy_node_killed_the_others_survive_and_it_resumes(report):
+    p = _phase(report, "policy_killed")
+    assert p["others_alive"] == {"cache_manager_node": True, "vision_node": True} and p["recovered"], p
+    assert report["exit_codes"] == {"cache_manager_node": 0, "vision_node": 0, "policy_node": 0}, report["logs"]
