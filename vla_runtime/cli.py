@@ -137,6 +137,25 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval(args: argparse.Namespace) -> int:
+    from .nodes.profile import EngineSpec
+    from .tools.eval import EvalSpec, evaluate
+
+    band = lambda text: tuple(float(x) for x in text.split(","))  # noqa: E731
+    spec = EvalSpec(checkpoint=args.checkpoint, out=args.out, tasks=tuple(args.task) if args.task else EvalSpec.tasks,
+                    episodes=args.episodes, eval_seed=args.eval_seed, reference_episodes=args.reference_episodes,
+                    reference_seed=args.reference_seed, pose_band=band(args.pose_band),
+                    reference_band=band(args.reference_band), n_execute=args.n_execute, max_steps=args.max_steps,
+                    processes=args.processes, modes=tuple(args.modes.split(",")), repository=args.repository,
+                    rho_p=args.rho_p, engine=EngineSpec(threads=args.threads))
+    report = evaluate(spec, log=_log)
+    from pathlib import Path
+
+    print(Path(spec.out, "eval.md").read_text())
+    print(json.dumps({k: report[k] for k in ("comparison",) if k in report}, indent=2))
+    return 0
+
+
 def _inspect(args: argparse.Namespace) -> int:
     from .models.checkpoint import checkpoint_files, content_hash, infer_config, read_tensor_index, validate
     from pathlib import Path
@@ -269,6 +288,28 @@ def build_parser() -> argparse.ArgumentParser:
     rn.add_argument("--threads", type=int, default=None, help="torch threads per process")
     rn.add_argument("--out", default=None, help="also write the JSON here")
     rn.set_defaults(func=_run)
+
+    ev = sub.add_parser("eval", help="closed-loop success on Meta-World, dense vs cached on the same seeds: "
+                                     "table, JSON and PNG in --out")
+    ev.add_argument("--checkpoint", required=True, help="a checkpoint trained for the Meta-World tasks")
+    ev.add_argument("--out", required=True, help="folder for eval.json, eval.md, eval.png (and references/)")
+    ev.add_argument("--task", action="append", default=None, help="Meta-World task (repeat; default: the five trained)")
+    ev.add_argument("--episodes", type=int, default=50, help="evaluation episodes per task")
+    ev.add_argument("--eval-seed", dest="eval_seed", type=int, default=100_000, help="first evaluation seed")
+    ev.add_argument("--reference-episodes", dest="reference_episodes", type=int, default=10,
+                    help="dense episodes per task recorded to build the repository (disjoint seeds)")
+    ev.add_argument("--reference-seed", dest="reference_seed", type=int, default=50_000, help="first reference seed")
+    ev.add_argument("--pose-band", dest="pose_band", default="0,1",
+                    help="inner,outer normalised band of the evaluation object poses (e.g. 0.7,1 = held out)")
+    ev.add_argument("--reference-band", dest="reference_band", default="0,1", help="band of the reference poses")
+    ev.add_argument("--n-execute", dest="n_execute", type=int, default=4, help="actions executed per policy call")
+    ev.add_argument("--max-steps", dest="max_steps", type=int, default=300, help="environment steps per episode")
+    ev.add_argument("--processes", type=int, default=1, choices=[1, 3], help="pipeline in 1 process or 3")
+    ev.add_argument("--modes", default="dense,cached", help="comma-separated: dense, cached")
+    ev.add_argument("--repository", default=None, help="an existing reference repository (skips recording references)")
+    ev.add_argument("--rho-p", dest="rho_p", type=float, default=0.4, help="Context Cache recompute fraction")
+    ev.add_argument("--threads", type=int, default=None, help="torch threads per pipeline process")
+    ev.set_defaults(func=_eval)
 
     i = sub.add_parser("inspect", help="validate a checkpoint and print its architecture")
     i.add_argument("checkpoint")

@@ -1,0 +1,335 @@
+"""``vla-runtime eval``: closed-loop success on Meta-World, dense vs cached, same seeds.
+
+A speed-up is only worth having if task success survives it. Each episode is a Meta-World task
+with a fresh object pose per seed, driven through the same pipeline as the robot (the three
+stages, in one process or three): camera images are rendered at each policy call, the chunk's
+first ``n_execute`` actions are executed, and the episode ends on success or after
+``max_steps`` environment steps.
+
+The cached run needs a reference repository. It is built here, as on a robot: the dense policy
+runs ``reference_episodes`` episodes per task on seeds disjoint from the evaluation seeds, its
+successful ones are recorded as rosbag2 episodes and ``build_repository`` turns them into the
+repository (so no evaluation seed is ever a reference). Then both modes run the same evaluation
+seeds; the report has success rate, mean policy calls per successful episode, per-phase latency,
+the speed-up and the fallback rate, per task and overall, as JSON, a table and a PNG plot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from ..cache.builder import BuildConfig, build_repository
+from ..engine.policy import Pi05Policy
+from ..io.bags import BagTopics, Episode, EpisodeFrame, write_episode_bag
+from ..nodes.pipeline import PipelineSpec, make_pipeline
+from ..nodes.profile import CacheSpec, EngineSpec
+from ..nodes.stages import RingNames
+from ..sim.metaworld_env import ACTION_DIM, DEFAULT_CAMERAS, DEFAULT_TASKS, MetaWorldConfig, MetaWorldTask
+
+CALL_PERIOD_S = 0.5    # bag time between the recorded calls of a reference episode (a synthetic clock)
+MODES = ("dense", "cached")
+
+
+@dataclass(frozen=True)
+class EvalSpec:
+    checkpoint: Path
+    out: Path
+    tasks: tuple[str, ...] = DEFAULT_TASKS
+    episodes: int = 50                    # evaluation episodes per task (seeds eval_seed + i)
+    eval_seed: int = 100_000
+    reference_episodes: int = 10          # dense episodes per task recorded for the repository
+    reference_seed: int = 50_000
+    pose_band: tuple[float, float] = (0.0, 1.0)            # evaluation poses (normalised band)
+    reference_band: tuple[float, float] = (0.0, 1.0)       # reference poses
+    cameras: tuple[str, ...] = DEFAULT_CAMERAS
+    image_size: int = 64
+    n_execute: int = 4                    # actions executed per policy call
+    max_steps: int = 300
+    processes: int = 1
+    modes: tuple[str, ...] = MODES
+    repository: Path | None = None        # an existing repository (skips the reference phase)
+    rho_p: float = 0.4
+    rho_n: float = 0.5
+    reference_timeout_s: float = 60.0
+    seed: int = 0                         # policy noise seed
+    engine: EngineSpec = field(default_factory=EngineSpec)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "checkpoint", Path(self.checkpoint))
+        object.__setattr__(self, "out", Path(self.out))
+        if self.repository is not None:
+            object.__setattr__(self, "repository", Path(self.repository))
+        if not self.tasks:
+            raise ValueError("at least one task is needed")
+        if self.episodes < 1 or self.n_execute < 1 or self.max_steps < 1:
+            raise ValueError("episodes, n_execute and max_steps must be >= 1")
+        if unknown := sorted(set(self.modes) - set(MODES)):
+            raise ValueError(f"unknown mode(s) {unknown}; choose from {MODES}")
+        if "cached" in self.modes and self.repository is None and self.reference_episodes < 1:
+            raise ValueError("the cached mode needs a repository or reference_episodes >= 1")
+        seeds = range(self.eval_seed, self.eval_seed + self.episodes)
+        refs = range(self.reference_seed, self.reference_seed + self.reference_episodes)
+        if set(seeds) & set(refs):
+            raise ValueError("evaluation and reference seeds overlap: a reference would be an evaluation episode")
+
+
+@dataclass
+class EpisodeResult:
+    task: str
+    seed: int
+    success: bool
+    steps: int
+    calls: int
+    cached_calls: int
+    call_s: list[float]                   # wall time of each policy call
+    phase_s: dict[str, list[float]]       # per-phase seconds of each call
+    dense_reasons: dict[str, int]
+    frames: list[EpisodeFrame] | None = None
+
+    def summary(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.pop("frames")
+        return d
+
+
+def task_harness(spec: EvalSpec, task: str, band: tuple[float, float]) -> MetaWorldTask:
+    return MetaWorldTask(MetaWorldConfig(task, cameras=spec.cameras, image_size=spec.image_size,
+                                         max_steps=spec.max_steps, pose_band=band))
+
+
+def run_episode(env: MetaWorldTask, pipeline, seed: int, n_execute: int, record: bool = False) -> EpisodeResult:
+    """One closed-loop episode: render at each call, execute the chunk's first ``n_execute`` actions."""
+    state = env.reset(seed)
+    pipeline.start_episode()
+    res = EpisodeResult(env.cfg.task, seed, False, 0, 0, 0, [], {}, {}, [] if record else None)
+    done = False
+    while not done:
+        images = env.render()
+        if record:
+            res.frames.append(EpisodeFrame(len(res.frames) * CALL_PERIOD_S, images, state))
+        t0 = time.perf_counter()
+        out = pipeline.call(images, state, env.instruction)
+        # the working set's upkeep overlaps the chunk's execution on a robot (the cache manager's
+        # own process); run in one process it is serial, so it is reported apart, not in the call
+        res.call_s.append(time.perf_counter() - t0 - pipeline.last_times.get("upkeep", 0.0))
+        res.calls += 1
+        res.cached_calls += int(out.used_reference)
+        for k, v in pipeline.last_times.items():
+            res.phase_s.setdefault(k, []).append(float(v))
+        choice = pipeline.last_choice
+        if choice is not None and not choice.found:
+            res.dense_reasons[choice.reason] = res.dense_reasons.get(choice.reason, 0) + 1
+        chunk = np.asarray(out.chunk)
+        if not np.isfinite(chunk).all():    # never executed: the episode fails safely
+            res.dense_reasons["non-finite chunk"] = res.dense_reasons.get("non-finite chunk", 0) + 1
+            break
+        for action in chunk[:n_execute, :ACTION_DIM]:
+            step = env.step(action)
+            res.steps += 1
+            state = step.state
+            res.success = res.success or step.success
+            if step.done:
+                done = True
+                break
+    return res
+
+
+def _pipeline(spec: EvalSpec, mode: str, repository: Path | None, tag: str):
+    cache = CacheSpec(enabled=mode == "cached", repository=str(repository) if repository else None,
+                      rho_p=spec.rho_p, reference_timeout_s=spec.reference_timeout_s)
+    rings = RingNames(f"{tag}_prefix", f"{tag}_query", f"{tag}_refs")
+    pspec = PipelineSpec(spec.checkpoint, spec.cameras, cache, spec.engine, rings, spec.seed)
+    return make_pipeline(pspec, spec.processes)
+
+
+def record_references(spec: EvalSpec, log: Callable[[str], None]) -> tuple[list[Path], dict[str, int]]:
+    """Dense episodes on the reference seeds; the successful ones are written as bags."""
+    out = spec.out / "references"
+    bags: list[Path] = []
+    counts: dict[str, int] = {}
+    topics = reference_topics(spec)
+    with _pipeline(spec, "dense", None, f"evref{os.getpid()}") as pipeline:
+        for task in spec.tasks:
+            env = task_harness(spec, task, spec.reference_band)
+            try:
+                for i in range(spec.reference_episodes):
+                    seed = spec.reference_seed + i
+                    r = run_episode(env, pipeline, seed, spec.n_execute, record=True)
+                    log(f"reference {task} seed {seed}: {'success' if r.success else 'failure'} in {r.steps} steps")
+                    if not r.success:
+                        continue
+                    path = out / f"{task}-{seed}"
+                    if path.exists():
+                        raise FileExistsError(f"{path} exists; choose an empty --out")
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    write_episode_bag(path, Episode(f"{task}-{seed}", env.instruction, True, r.frames,
+                                                    f"sim:metaworld:{task}:{seed}"), topics)
+                    bags.append(path)
+                    counts[task] = counts.get(task, 0) + 1
+            finally:
+                env.close()
+    return bags, counts
+
+
+def reference_topics(spec: EvalSpec) -> BagTopics:
+    """The topics of the demonstration bags (``metaworld_demos.bag_topics``): references and
+    demonstrations are the same kind of recording."""
+    from .metaworld_demos import bag_topics
+
+    return bag_topics(spec.cameras)
+
+
+def build_reference_repository(spec: EvalSpec, log: Callable[[str], None]) -> tuple[Path, dict[str, Any]]:
+    if spec.repository is not None:
+        return spec.repository, {"repository": str(spec.repository), "built": False}
+    bags, counts = record_references(spec, log)
+    if not bags:
+        raise RuntimeError("the dense policy succeeded in no reference episode: nothing to build a repository from")
+    policy = Pi05Policy.from_checkpoint(spec.checkpoint, camera_names=list(spec.cameras))
+    repo = spec.out / "repository"
+    summary = build_repository(policy, policy.checkpoint_hash, bags, repo, reference_topics(spec), CALL_PERIOD_S,
+                               BuildConfig(rho_n=spec.rho_n), log=log)
+    return repo, {"repository": str(repo), "built": True, "reference_successes": counts,
+                  "reference_episodes_per_task": spec.reference_episodes, "calls": summary.calls}
+
+
+def _mean(xs: list[float]) -> float | None:
+    return statistics.fmean(xs) if xs else None
+
+
+def aggregate(results: list[EpisodeResult], cached: bool) -> dict[str, Any]:
+    ok = [r for r in results if r.success]
+    calls = sum(r.calls for r in results)
+    fallback = 1 - sum(r.cached_calls for r in results) / calls if calls and cached else None
+    phases = sorted({k for r in results for k in r.phase_s})
+    return {"episodes": len(results), "successes": len(ok), "success_rate": len(ok) / len(results) if results else None,
+            "mean_calls_per_success": _mean([float(r.calls) for r in ok]),
+            "mean_steps_per_success": _mean([float(r.steps) for r in ok]),
+            "calls": calls, "cached_calls": sum(r.cached_calls for r in results),
+            "fallback_rate": fallback,
+            "mean_call_s": _mean([s for r in results for s in r.call_s]),
+            "mean_phase_s": {p: _mean([s for r in results for s in r.phase_s.get(p, [])]) for p in phases},
+            "policy_s_per_success": _mean([sum(r.call_s) for r in ok])}
+
+
+def evaluate(spec: EvalSpec, log: Callable[[str], None] = print) -> dict[str, Any]:
+    spec.out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    report: dict[str, Any] = {"checkpoint": str(spec.checkpoint), "tasks": list(spec.tasks),
+                              "episodes_per_task": spec.episodes, "eval_seeds": [spec.eval_seed, spec.eval_seed + spec.episodes],
+                              "pose_band": list(spec.pose_band), "reference_band": list(spec.reference_band),
+                              "n_execute": spec.n_execute, "processes": spec.processes, "modes": {}}
+    repository = None
+    if "cached" in spec.modes:
+        repository, report["repository"] = build_reference_repository(spec, log)
+    per_episode: dict[str, list[EpisodeResult]] = {}
+    for mode in spec.modes:
+        results: list[EpisodeResult] = []
+        with _pipeline(spec, mode, repository, f"ev{mode}{os.getpid()}") as pipeline:
+            for task in spec.tasks:
+                env = task_harness(spec, task, spec.pose_band)
+                try:
+                    for i in range(spec.episodes):
+                        r = run_episode(env, pipeline, spec.eval_seed + i, spec.n_execute)
+                        results.append(r)
+                        done = [x for x in results if x.task == task]
+                        log(f"{mode} {task} {len(done)}/{spec.episodes}: {'success' if r.success else 'failure'}, "
+                            f"{r.calls} calls ({r.cached_calls} cached), success so far "
+                            f"{sum(x.success for x in done)}/{len(done)}")
+                finally:
+                    env.close()
+        per_episode[mode] = results
+        cached = mode == "cached"
+        report["modes"][mode] = {"overall": aggregate(results, cached),
+                                 "per_task": {t: aggregate([r for r in results if r.task == t], cached)
+                                              for t in spec.tasks}}
+    if {"dense", "cached"} <= set(spec.modes):
+        report["comparison"] = compare(report["modes"]["dense"], report["modes"]["cached"], spec.tasks)
+    report["wall_s"] = time.perf_counter() - t0
+    report["episodes"] = {m: [r.summary() for r in rs] for m, rs in per_episode.items()}
+    (spec.out / "eval.json").write_text(json.dumps(report, indent=2, default=float))
+    (spec.out / "eval.md").write_text(table(report))
+    plot(report, spec.out / "eval.png")
+    return report
+
+
+def compare(dense: dict, cached: dict, tasks: tuple[str, ...]) -> dict[str, Any]:
+    """Cached against dense on the same seeds: success difference and speed-ups."""
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return a / b if a and b else None
+
+    d, c = dense["overall"], cached["overall"]
+    return {"success_points": 100 * ((c["success_rate"] or 0) - (d["success_rate"] or 0)),
+            "speedup_per_call": ratio(d["mean_call_s"], c["mean_call_s"]),
+            "speedup_policy_time_per_success": ratio(d["policy_s_per_success"], c["policy_s_per_success"]),
+            "speedup_per_phase": {p: ratio(d["mean_phase_s"].get(p), c["mean_phase_s"].get(p))
+                                  for p in d["mean_phase_s"] if p != "upkeep"},
+            "cached_overheads_s": {p: c["mean_phase_s"][p] for p in ("retrieve", "upkeep") if p in c["mean_phase_s"]},
+            "per_task_success_points": {t: 100 * ((cached["per_task"][t]["success_rate"] or 0)
+                                                  - (dense["per_task"][t]["success_rate"] or 0)) for t in tasks},
+            "fallback_rate": c["fallback_rate"]}
+
+
+def _fmt(x: float | None, pattern: str = "{:.2f}") -> str:
+    return "-" if x is None else pattern.format(x)
+
+
+def table(report: dict[str, Any]) -> str:
+    modes = report["modes"]
+    rows = ["| task | " + " | ".join(f"{m} success | {m} calls/success | {m} ms/call" for m in modes) + " |",
+            "|---|" + "---|---|---|" * len(modes)]
+    for task in [*report["tasks"], "overall"]:
+        cells = []
+        for m in modes:
+            a = modes[m]["overall"] if task == "overall" else modes[m]["per_task"][task]
+            cells += [f"{a['successes']}/{a['episodes']} ({_fmt(a['success_rate'], '{:.0%}')})",
+                      _fmt(a["mean_calls_per_success"], "{:.1f}"), _fmt(a["mean_call_s"] and 1e3 * a["mean_call_s"], "{:.1f}")]
+        rows.append(f"| {task} | " + " | ".join(cells) + " |")
+    text = "\n".join(rows) + "\n"
+    if "comparison" in report:
+        c = report["comparison"]
+        text += (f"\ncached vs dense: success {c['success_points']:+.1f} points, speed-up per call "
+                 f"{_fmt(c['speedup_per_call'])}x, policy time per success {_fmt(c['speedup_policy_time_per_success'])}x, "
+                 f"fallback rate {_fmt(c['fallback_rate'], '{:.0%}')}\n")
+    return text
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = list(report["modes"])
+    tasks = list(report["tasks"])
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
+    width = 0.8 / len(modes)
+    for k, m in enumerate(modes):
+        rates = [report["modes"][m]["per_task"][t]["success_rate"] or 0 for t in tasks]
+        ax1.bar(np.arange(len(tasks)) + k * width, rates, width, label=m)
+    ax1.set_xticks(np.arange(len(tasks)) + width * (len(modes) - 1) / 2, [t.removesuffix("-v3") for t in tasks],
+                   rotation=30, ha="right")
+    ax1.set_ylim(0, 1)
+    ax1.set_ylabel("success rate")
+    ax1.legend()
+    phases = sorted({p for m in modes for p in report["modes"][m]["overall"]["mean_phase_s"]})
+    bottom = np.zeros(len(modes))
+    for p in phases:
+        vals = np.array([1e3 * (report["modes"][m]["overall"]["mean_phase_s"].get(p) or 0) for m in modes])
+        ax2.bar(modes, vals, bottom=bottom, label=p)
+        bottom += vals
+    ax2.set_ylabel("mean ms per policy call")
+    ax2.legend()
+    fig.suptitle(f"closed loop, {report['episodes_per_task']} episodes per task, same seeds")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
