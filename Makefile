@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup ros demo bench test clean
+.PHONY: setup ros demo demo-synthetic bench test clean
 
 setup: $(STAMP)
 
@@ -40,17 +40,28 @@ $(ROS_BUILT): $(ROS_STAMP) $(ROS_INPUTS)
 CLI    := $(VENV)/bin/vla-runtime
 CAMS   := --camera top=/cameras/top/image_raw --camera wrist=/cameras/wrist/image_raw
 
-# Main job (until the closed-loop demo lands), on the bundled pi05-small preset:
-# the dense engine benchmark, then the muscle-memory cache end to end (demo robot data,
-# build-cache with the rho profile, dense vs cached on held-out episodes). About 2 minutes on 2 cores.
+# Main job: the trained Meta-World policy (checkpoints/pi05-mw-metaworld, our pi0.5 architecture)
+# in closed loop through the three-process pipeline, dense vs cached on the same seeds: the dense
+# policy first records reference episodes (their own seeds), build-cache turns them into the
+# repository, then both modes run. Prints a line per episode, then the table; writes
+# out/closed_loop/eval.{json,md,png}. A few minutes on 2 cores.
+DEMO_TASKS := --task button-press-topdown-v3 --task drawer-close-v3 --task handle-press-v3
 demo: setup
-	rm -rf out/demo
+	rm -rf out/closed_loop
+	$(CLI) eval --checkpoint checkpoints/pi05-mw-metaworld --out out/closed_loop $(DEMO_TASKS) --episodes 3 \
+		--reference-episodes 3 --processes 3 --threads 1
+
+# The earlier main job, on the bundled pi05-small preset with random weights: the dense engine
+# benchmark, then the muscle-memory cache end to end on synthetic demo-robot data (build-cache
+# with the rho profile, dense vs cached on held-out episodes). About 2 minutes on 2 cores.
+demo-synthetic: setup
+	rm -rf out/demo-synthetic
 	$(CLI) bench --preset pi05-small --cameras 3 --repeats 5 --out out/bench.json
-	$(CLI) demo-data --out out/demo
-	$(CLI) build-cache --checkpoint out/demo/checkpoint --bags out/demo/episodes/references --out out/demo/repo \
-		$(CAMS) --profile 1 --summary out/demo/build.json
-	$(CLI) bench --cache out/demo/repo --checkpoint out/demo/checkpoint --bags out/demo/episodes/held_out \
-		$(CAMS) --rho-p 0.4 --out out/cache_bench.json
+	$(CLI) demo-data --out out/demo-synthetic
+	$(CLI) build-cache --checkpoint out/demo-synthetic/checkpoint --bags out/demo-synthetic/episodes/references \
+		--out out/demo-synthetic/repo $(CAMS) --profile 1 --summary out/demo-synthetic/build.json
+	$(CLI) bench --cache out/demo-synthetic/repo --checkpoint out/demo-synthetic/checkpoint \
+		--bags out/demo-synthetic/episodes/held_out $(CAMS) --rho-p 0.4 --out out/cache_bench.json
 
 bench: setup
 	$(CLI) bench --preset pi05-small --cameras 3 --repeats 5 --out out/bench.json
