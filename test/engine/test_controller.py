@@ -4,21 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from vla_runtime.engine.controller import ControllerConfig, StreamingController
-from vla_runtime.engine.safety import JointLimits
-from vla_runtime.engine.stitching import StitchConfig
+from vla_runtime.testing.controllers import small_controller
 
 
-def _controller(**over) -> StreamingController:
-    cfg = ControllerConfig(control_hz=50.0, chunk_size=10, action_dim=2, stitch=StitchConfig(mode="replace"),
-                           initial_latency_s=0.04, watchdog_s=1.0, **over)
-    c = StreamingController(cfg, JointLimits(np.array([-1.0, -1.0]), np.array([1.0, 1.0])))
-    c.set_initial(np.zeros(2))
-    return c
 
 
 def test_request_merge_execute_cycle():
-    c = _controller()
+    c = small_controller()
     assert c.tick(0).status == "held"                       # nothing planned yet
     req = c.maybe_request(0, np.array([0.1, 0.2]), obs_age_s=0.0)
     assert req is not None and req.request_seq == 0 and req.start_tick == 2
@@ -38,7 +30,7 @@ def test_request_merge_execute_cycle():
 
 
 def test_stale_observations_and_limits():
-    c = _controller()
+    c = small_controller()
     assert c.maybe_request(0, np.zeros(2), obs_age_s=5.0) is None     # too old: no call
     req = c.maybe_request(1, np.zeros(2), obs_age_s=0.0)
     c.on_chunk(req.request_seq, np.full((10, 2), 7.0), now=3, latency_s=0.04)

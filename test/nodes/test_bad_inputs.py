@@ -15,10 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from vla_runtime.engine.controller import ControllerConfig, StreamingController
 from vla_runtime.engine.policy import Observation, Pi05Policy
-from vla_runtime.engine.safety import JointLimits
-from vla_runtime.engine.stitching import StitchConfig
+from vla_runtime.testing.controllers import small_controller
 from vla_runtime.ipc.layout import FieldSpec, SlotLayout
 from vla_runtime.ipc.ring import LayoutMismatchError, RingBuffer, RingNotFoundError
 from vla_runtime.nodes import params as P
@@ -48,12 +46,6 @@ def _rings(tag: str) -> RingNames:
     return RingNames(f"t{os.getpid()}_bad_{tag}_p", f"t{os.getpid()}_bad_{tag}_q", f"t{os.getpid()}_bad_{tag}_w")
 
 
-def _controller(**over) -> StreamingController:
-    cfg = ControllerConfig(control_hz=50.0, chunk_size=10, action_dim=2, stitch=StitchConfig(mode="replace"),
-                           initial_latency_s=0.04, watchdog_s=1.0, **over)
-    c = StreamingController(cfg, JointLimits(np.array([-1.0, -1.0]), np.array([1.0, 1.0])))
-    c.set_initial(np.zeros(2))
-    return c
 
 
 class _closing:
@@ -225,7 +217,7 @@ def test_partial_joint_state_waits_for_every_joint():
 
 
 def test_measured_state_beyond_the_limits_is_held_inside_them():
-    c = _controller()
+    c = small_controller()
     c.set_initial(np.array([5.0, -9.0]))                  # a sensor reading past the limits
     cmd = c.tick(0)
     assert cmd.status == "held"
@@ -289,7 +281,7 @@ def test_changed_instruction_starts_a_new_episode_in_the_cache_manager(demo, fra
 
 
 def test_changed_instruction_abandons_the_call_in_flight():
-    c = _controller()
+    c = small_controller()
     req = c.maybe_request(0, np.zeros(2), 0.0)
     c.abandon(1)                                       # what the policy node does when the task changes
     assert not c.on_chunk(req.request_seq, np.zeros((10, 2)), 2, 0.04)   # the old task's chunk is not merged
@@ -437,7 +429,7 @@ def test_slot_of_a_ring_that_is_gone_is_refused(policy):
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_chunk_with_nan_or_inf_is_not_executed(bad):
-    c = _controller()
+    c = small_controller()
     req = c.maybe_request(0, np.zeros(2), 0.0)
     chunk = np.full((10, 2), 0.5)
     chunk[3, 1] = bad
@@ -448,7 +440,7 @@ def test_chunk_with_nan_or_inf_is_not_executed(bad):
 
 
 def test_chunk_beyond_the_joint_limits_is_published_clamped():
-    c = _controller()
+    c = small_controller()
     req = c.maybe_request(0, np.zeros(2), 0.0)
     chunk = np.tile([[3.0, -0.5]], (10, 1))
     assert c.on_chunk(req.request_seq, chunk, 2, 0.04)
@@ -459,7 +451,7 @@ def test_chunk_beyond_the_joint_limits_is_published_clamped():
 
 
 def test_chunk_arriving_after_the_watchdog_deadline_is_not_executed():
-    c = _controller()
+    c = small_controller()
     req = c.maybe_request(0, np.zeros(2), 0.0)
     assert not c.on_chunk(req.request_seq, np.zeros((10, 2)), now=51, latency_s=1.02)   # 1.02 s > 1.0 s
     assert "past the 1.0 s deadline" in c.last_rejection and c.tick(51).status == "held"
@@ -468,7 +460,7 @@ def test_chunk_arriving_after_the_watchdog_deadline_is_not_executed():
 
 
 def test_chunk_of_the_wrong_shape_is_not_executed():
-    c = _controller()
+    c = small_controller()
     req = c.maybe_request(0, np.zeros(2), 0.0)
     assert not c.on_chunk(req.request_seq, np.zeros((10, 3)), 2, 0.04)
     assert "expected [C, 2]" in c.last_rejection
