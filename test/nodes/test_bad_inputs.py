@@ -158,6 +158,22 @@ def test_frozen_camera_is_stale_until_a_new_frame_comes():
     assert feed.stale(3 * S, max_age_s=1.0, frozen_after=10) == "" and feed.image.max() == 1
 
 
+def test_repeated_frame_is_counted_before_it_is_judged():
+    """The vision node checks a frame's stamp inside ``decode``: a frozen driver's repeats are
+    still counted once that stamp is too old, so it is reported as frozen, not as old frames."""
+    feed = CameraFeed("wrist")
+    feed.offer(7 * S, 1 * S, lambda: np.zeros((2, 2, 3), np.uint8))
+
+    def too_old():
+        raise InputError("stamp is 2.0 s old, older than 1.0 s")
+
+    for i in range(9):
+        feed.offer(7 * S, (2 + i) * S, too_old)            # no error: a repeat is not decoded
+    assert feed.repeats == 9 and "frozen" in feed.stale(11 * S, max_age_s=1.0, frozen_after=10)
+    with pytest.raises(InputError):
+        feed.offer(8 * S, 12 * S, too_old)                 # a new frame is judged
+
+
 def test_camera_that_stopped_sending_is_stale():
     feed = CameraFeed("top")
     feed.offer(0, 1 * S, lambda: np.zeros((2, 2, 3), np.uint8))   # unstamped: freshness by arrival

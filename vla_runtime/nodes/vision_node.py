@@ -85,10 +85,15 @@ class VisionNode(Node):
         self.get_logger().warning(what, throttle_duration_sec=2.0)
 
     def _on_image(self, cam, msg) -> None:
-        try:
-            stamp = stamp_ns(msg)
+        stamp = stamp_ns(msg)
+
+        def accept():   # a new frame only: a repeated stamp is counted before its age is judged, so
+            #             a frozen driver is reported as frozen rather than as sending old frames
             self._stamps().check(stamp, self.get_clock().now().nanoseconds, f"camera {cam.name!r}")
-            self.feeds[cam.name].offer(stamp, time.monotonic_ns(), lambda: image_from_msg(msg, cam.compressed, cam.name))
+            return image_from_msg(msg, cam.compressed, cam.name)
+
+        try:
+            self.feeds[cam.name].offer(stamp, time.monotonic_ns(), accept)
         except InputError as e:
             self.refused_images += 1
             self._refuse(f"image refused: {e}")
