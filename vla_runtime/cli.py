@@ -156,6 +156,19 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _aloha_sim(args: argparse.Namespace) -> int:
+    from .nodes.profile import EngineSpec
+    from .tools.aloha_sim import AlohaRunSpec, run_aloha
+
+    spec = AlohaRunSpec(out=args.out, profile=args.profile, checkpoint=args.checkpoint, preset=args.preset,
+                        task=args.task, episodes=args.episodes, seed=args.seed, max_steps=args.max_steps,
+                        n_execute=args.n_execute, processes=args.processes,
+                        engine=EngineSpec(dtype=args.dtype, device=args.device, threads=args.threads))
+    report = run_aloha(spec, log=_log)
+    print(json.dumps(report["summary"], indent=2))
+    return 0
+
+
 def _inspect(args: argparse.Namespace) -> int:
     from .models.checkpoint import checkpoint_files, content_hash, infer_config, read_tensor_index, validate
     from pathlib import Path
@@ -310,6 +323,23 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--rho-p", dest="rho_p", type=float, default=0.4, help="Context Cache recompute fraction")
     ev.add_argument("--threads", type=int, default=None, help="torch threads per pipeline process")
     ev.set_defaults(func=_eval)
+
+    al = sub.add_parser("aloha-sim", help="the ALOHA profile in closed loop on gym-aloha: cameras, 14-dim actions, "
+                                          "safety and per-call latency against the chunk's duration (JSON)")
+    al.add_argument("--out", required=True, help="folder for aloha.json (and the random checkpoint)")
+    al.add_argument("--profile", default=None, help="robot profile YAML (default: config/aloha.yaml)")
+    al.add_argument("--checkpoint", default=None, help="an ALOHA checkpoint (default: random weights of --preset)")
+    al.add_argument("--preset", default="pi05-small", choices=sorted(PRESETS), help="model of the random checkpoint")
+    al.add_argument("--task", default="transfer_cube", choices=["transfer_cube", "insertion"])
+    al.add_argument("--episodes", type=int, default=2)
+    al.add_argument("--seed", type=int, default=0, help="object pose seed of the first episode")
+    al.add_argument("--max-steps", dest="max_steps", type=int, default=400, help="50 Hz steps per episode")
+    al.add_argument("--n-execute", dest="n_execute", type=int, default=25, help="ticks executed per call")
+    al.add_argument("--processes", type=int, default=3, choices=[1, 3], help="pipeline in 1 process or 3")
+    al.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    al.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    al.add_argument("--threads", type=int, default=None, help="torch threads per pipeline process")
+    al.set_defaults(func=_aloha_sim)
 
     i = sub.add_parser("inspect", help="validate a checkpoint and print its architecture")
     i.add_argument("checkpoint")

@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 from vla_runtime.io.bags import read_episode, read_joint_series, write_episode_bag
-from vla_runtime.sim.metaworld_env import MetaWorldConfig, MetaWorldTask
-from vla_runtime.tools.metaworld_demos import ACTION_TOPIC, DemoConfig, bag_topics, main, record_episode
+from vla_runtime.sim.metaworld_env import MetaWorldConfig, MetaWorldTask, scripted_expert
+from vla_runtime.tools.metaworld_demos import (ACTION_TOPIC, DemoConfig, bag_topics, keeps_failed_episodes,
+                                               labels_kind, main, record_episode)
 from vla_runtime.tools.train import action_chunks
 
 
@@ -47,3 +49,44 @@ def test_cli_writes_bags_and_manifest(tmp_path):
     assert manifest["reports"][0]["saved"] == 1
     assert (tmp_path / "handle-press-v3" / "handle-press-v3_s0" / "metadata.yaml").is_file()
     assert DemoConfig().validate().tasks[0] == "button-press-topdown-v3"
+
+
+def test_dagger_episode_executes_the_driver_and_records_the_expert():
+    """A driver that never moves: the arm stays put, the episode fails, and every recorded
+    action is the expert's label for the state the arm is actually in (not what was executed)."""
+    env = MetaWorldTask(MetaWorldConfig(task="handle-press-v3", image_size=32, max_steps=40))
+    calls: list[str] = []
+
+    def still(images, state, instruction):
+        calls.append(instruction)
+        assert set(images) == {"corner", "topview"}
+        return np.zeros((8, 4))
+
+    try:
+        start = env.reset(3)
+        roll = record_episode(env, seed=3, call_every=4, tail_steps=8, driver=still, beta=0.0)
+        end = env.state()
+        expert = scripted_expert("handle-press-v3")
+        env.reset(3)
+        first_label = np.clip(expert.get_action(env.full_observation), -1, 1)
+    finally:
+        env.close()
+    assert roll.episode.success is False and roll.steps == 40 and len(calls) == 10
+    assert "dagger" in roll.episode.source
+    np.testing.assert_allclose(end[:3], start[:3], atol=0.02)        # zero actions: the hand did not go anywhere
+    assert np.abs(roll.actions.values[:, :3]).max() > 0.1            # while the expert asked it to move
+    np.testing.assert_allclose(roll.actions.values[0], first_label)
+
+
+def test_dagger_manifest_keeps_failed_episodes(tmp_path):
+    (tmp_path / "expert" / "t" / "ep").mkdir(parents=True)
+    (tmp_path / "dagger" / "t" / "ep").mkdir(parents=True)
+    (tmp_path / "expert" / "demos.json").write_text(json.dumps({"labels": labels_kind(DemoConfig())}))
+    (tmp_path / "dagger" / "demos.json").write_text(json.dumps({"labels": "dagger"}))
+    assert not keeps_failed_episodes(tmp_path / "expert" / "t" / "ep", tmp_path)
+    assert keeps_failed_episodes(tmp_path / "dagger" / "t" / "ep", tmp_path)
+    assert not keeps_failed_episodes(tmp_path / "elsewhere" / "ep", tmp_path)     # no manifest: successes only
+    with pytest.raises(ValueError, match="beta"):
+        DemoConfig(beta=1.5).validate()
+    with pytest.raises(FileNotFoundError, match="--policy"):
+        DemoConfig(policy=str(tmp_path / "none")).validate()

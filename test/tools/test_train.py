@@ -7,16 +7,18 @@ normalisation and the prompt construction all agree with inference.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from vla_runtime.engine.policy import Observation, Pi05Policy
 from vla_runtime.io.bags import BagTopics, Episode, EpisodeFrame, JointSeries, write_episode_bag
 from vla_runtime.models.checkpoint import load_checkpoint
-from vla_runtime.tools.train import TrainConfig, action_chunks, train
+from vla_runtime.tools.train import TrainConfig, action_chunks, load_demos, train
 
 CAMS = ("corner", "topview")
 DT = 0.0125
@@ -96,3 +98,52 @@ def test_resume_continues_from_the_saved_step(tmp_path):
     second = train(TrainConfig(**base, max_steps=5), resume=True, log=lines.append)
     assert second["steps"] == 5
     assert any("resumed at step 3" in line for line in lines)
+
+
+def _write_failed_episode(root: Path, manifest_labels: str | None) -> None:
+    """One unsuccessful episode (other actions), optionally under a ``demos.json``."""
+    topics = BagTopics(cameras={c: f"/cameras/{c}/image_raw" for c in CAMS})
+    frames = [EpisodeFrame(t=i * CALL_EVERY * DT, images=_scene(), state=np.full(4, 0.3, np.float32))
+              for i in range(3)]
+    series = JointSeries(np.arange(25) * DT, np.full((25, 4), -0.25), ("a0", "a1", "a2", "a3"))
+    write_episode_bag(root / "failed", Episode("failed", TASK, False, frames), topics,
+                      series={"/action_command": series})
+    if manifest_labels is not None:
+        (root / "demos.json").write_text(json.dumps({"labels": manifest_labels}))
+
+
+def test_failed_episodes_are_kept_only_with_dagger_labels(tmp_path):
+    base = dict(out=str(tmp_path / "run"), preset="pi05-tiny", cameras=CAMS, call_period=CALL_EVERY * DT,
+                control_dt=DT)
+    _write_bags(tmp_path / "a" / "expert", episodes=1, calls=3)
+    _write_failed_episode(tmp_path / "a" / "expert_failures", manifest_labels="expert")
+    lines: list[str] = []
+    data = load_demos(TrainConfig(demos=str(tmp_path / "a"), **base), log=lines.append)
+    assert len(data.states) == 3 and "1 unsuccessful skipped" in lines[-1]
+    _write_bags(tmp_path / "b" / "expert", episodes=1, calls=3)
+    _write_failed_episode(tmp_path / "b" / "dagger", manifest_labels="dagger")
+    data = load_demos(TrainConfig(demos=str(tmp_path / "b"), **base), log=lambda s: None)
+    assert len(data.states) == 6 and np.isclose(data.chunks, -0.25).all(axis=(1, 2)).sum() == 3
+
+
+def test_init_from_starts_from_the_earlier_weights_statistics_and_tokenizer(trained, tmp_path):
+    root, _ = trained
+    _write_bags(tmp_path / "demos", episodes=1, calls=3)
+    _write_failed_episode(tmp_path / "demos" / "dagger", manifest_labels="dagger")
+    lines: list[str] = []
+    cfg = TrainConfig(demos=str(tmp_path / "demos"), out=str(tmp_path / "run"), export=str(tmp_path / "ck"),
+                      preset="pi05-tiny", cameras=CAMS, call_period=CALL_EVERY * DT, control_dt=DT, batch=8, draws=2,
+                      lr=0.0, warmup=1, max_steps=2, threads=1, shift=0, log_every=1000, val_fraction=0.0,
+                      export_dtype="float32", init_from=str(root / "run"))
+    second = train(cfg, log=lines.append)
+    assert any("initialised from" in line for line in lines) and second["steps"] == 2
+    # At learning rate 0 the exported (averaged) weights are exactly the earlier run's.
+    old, new = load_file(root / "checkpoint" / "model.safetensors"), load_file(tmp_path / "ck" / "model.safetensors")
+    assert old.keys() == new.keys() and all(torch.equal(old[k], new[k]) for k in old)
+    assert (tmp_path / "run" / "tokenizer.model").read_bytes() == (root / "run" / "tokenizer.model").read_bytes()
+    # The old run's statistics, not the new data's (which hold the failed episode's -0.25 actions).
+    for f in (root / "checkpoint").glob("*normalizer_processor.safetensors"):
+        old, new = load_file(f), load_file(tmp_path / "ck" / f.name)
+        assert old.keys() == new.keys() and all(torch.equal(old[k], new[k]) for k in old), f.name
+    with pytest.raises(FileNotFoundError, match="not a training run directory"):
+        TrainConfig(demos="x", out="y", init_from=str(tmp_path)).validate()

@@ -12,7 +12,15 @@ the training tool, ``build-cache`` and replay read sim and robot data alike. Eac
 * the outcome (``success``): only successful episodes are kept. After success the expert runs
   ``tail_steps`` more steps (actions only), so the last calls have a full action chunk too.
 
-Run: ``python -m vla_runtime.tools.metaworld_demos --out /tmp/mw/demos --episodes 40``.
+With ``--policy CHECKPOINT`` it records DAgger episodes instead: a trained policy drives (the
+expert takes over a call with probability ``--beta``), and the expert's action for the state the
+robot is actually in is recorded at every step. Those labels are right whatever the outcome, so
+every episode is kept, failed ones included (the directory's ``demos.json`` says
+``"labels": "dagger"``, which tells the training tool to keep them): they are the states a policy
+drifts into and the way back from them, which expert runs never show.
+
+Run: ``python -m vla_runtime.tools.metaworld_demos --out /tmp/mw/demos --episodes 40``;
+DAgger: ``... --out /tmp/mw/demos/dagger1 --policy /tmp/mw/checkpoint --episodes 30 --seed-base 20000``.
 """
 
 from __future__ import annotations
@@ -21,9 +29,11 @@ import argparse
 import json
 import multiprocessing as mp
 import sys
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -33,6 +43,24 @@ from ..sim.metaworld_env import (ACTION_NAMES, CONTROL_DT, DEFAULT_CAMERAS, DEFA
 
 ACTION_TOPIC = "/action_command"
 MANIFEST = "demos.json"
+
+def labels_kind(cfg: "DemoConfig") -> str:
+    """The manifest's ``labels``: "expert" (the expert acted, successes only) or "dagger" (a
+    policy acted, the expert labelled every step, failures kept)."""
+    return "dagger" if cfg.policy else "expert"
+
+
+def keeps_failed_episodes(bag: Path, root: Path) -> bool:
+    """Whether the nearest ``demos.json`` between ``bag`` and ``root`` marks DAgger labels."""
+    for d in [bag.parent, *bag.parent.parents]:
+        if (d / MANIFEST).is_file():
+            return json.loads((d / MANIFEST).read_text()).get("labels") == "dagger"
+        if d == root:
+            break
+    return False
+
+# A driver for DAgger: (images, state, instruction) -> a chunk of actions [chunk, >= 4].
+Driver = Callable[[dict[str, np.ndarray], np.ndarray, str], np.ndarray]
 
 
 @dataclass(frozen=True)
@@ -50,10 +78,17 @@ class DemoConfig:
     seed_base: int = 0
     workers: int = 2
     max_tries_factor: int = 3
+    policy: str | None = None          # DAgger: this checkpoint drives, the expert labels
+    beta: float = 0.3                  # DAgger: probability that the expert drives a call instead
+    threads: int = 1                   # DAgger: torch threads of each worker's policy
 
     def validate(self) -> "DemoConfig":
         if self.episodes < 1 or self.call_every < 1 or self.tail_steps < 0 or self.workers < 1:
             raise ValueError("episodes, call_every, workers >= 1 and tail_steps >= 0")
+        if not 0.0 <= self.beta <= 1.0:
+            raise ValueError(f"beta must be in [0, 1], got {self.beta}")
+        if self.policy is not None and not Path(self.policy).is_dir():
+            raise FileNotFoundError(f"--policy {self.policy}: no checkpoint directory there")
         for task in self.tasks:
             self.harness(task)
         return self
@@ -78,35 +113,74 @@ class Rollout:
     steps: int
 
 
-def record_episode(env: MetaWorldTask, seed: int, call_every: int, tail_steps: int) -> Rollout:
-    """Run the scripted expert from ``seed``'s pose; frames every ``call_every`` steps."""
+def record_episode(env: MetaWorldTask, seed: int, call_every: int, tail_steps: int,
+                   driver: Driver | None = None, beta: float = 0.0) -> Rollout:
+    """One episode from ``seed``'s pose, frames every ``call_every`` steps, the expert's action
+    recorded at every step. Without ``driver`` the expert also acts; with one (DAgger) the
+    driver's chunk is executed, except on calls the expert takes over (probability ``beta``,
+    or when the chunk is not finite)."""
     expert = scripted_expert(env.cfg.task)
+    rng = np.random.default_rng(seed)
     dt = CONTROL_DT
     state = env.reset(seed)
     frames: list[EpisodeFrame] = []
     times: list[float] = []
     actions: list[np.ndarray] = []
+    plan: np.ndarray | None = None
     success, step = False, 0
+
+    def label() -> np.ndarray:
+        return np.clip(np.asarray(expert.get_action(env.full_observation), np.float64), -1.0, 1.0)
+
     while True:
         if step % call_every == 0:
-            frames.append(EpisodeFrame(t=(step // call_every) * call_every * dt, images=env.render(), state=state))
-        action = np.clip(np.asarray(expert.get_action(env.full_observation), np.float64), -1.0, 1.0)
+            images = env.render()
+            frames.append(EpisodeFrame(t=(step // call_every) * call_every * dt, images=images, state=state))
+            plan = None
+            if driver is not None and rng.random() >= beta:
+                chunk = np.asarray(driver(images, state, env.instruction), np.float64)[:call_every, :len(ACTION_NAMES)]
+                plan = np.clip(chunk, -1.0, 1.0) if np.isfinite(chunk).all() else None
+        action = label()
         times.append(step * dt)
         actions.append(action)
-        result = env.step(action)
+        result = env.step(action if plan is None or step % call_every >= len(plan) else plan[step % call_every])
         state, step = result.state, step + 1
         if result.done:
             success = result.success
             break
     for _ in range(tail_steps if success else 0):   # actions after success: complete chunks
-        action = np.clip(np.asarray(expert.get_action(env.full_observation), np.float64), -1.0, 1.0)
+        action = label()
         times.append(step * dt)
         actions.append(action)
         env.step(action)
         step += 1
+    source = f"sim:metaworld:{env.cfg.task}:seed={seed}"
+    if driver is not None:
+        source += f":dagger:beta={beta}"
     ep = Episode(episode_id=f"{env.cfg.task}_s{seed}", task=env.instruction, success=success, frames=frames,
-                 source=f"sim:metaworld:{env.cfg.task}:seed={seed}")
+                 source=source)
     return Rollout(ep, JointSeries(np.asarray(times), np.stack(actions), ACTION_NAMES), step)
+
+
+def policy_driver(cfg: DemoConfig, task: str) -> tuple[Driver, Callable[[], None]]:
+    """The checkpoint as a DAgger driver (dense, in this process), and how to close it."""
+    from ..nodes.pipeline import PipelineSpec, make_pipeline
+    from ..nodes.profile import CacheSpec, EngineSpec
+    from ..nodes.stages import RingNames
+
+    tag = f"dagger{os.getpid()}"
+    spec = PipelineSpec(Path(cfg.policy), cfg.cameras, CacheSpec(enabled=False), EngineSpec(threads=cfg.threads),
+                        RingNames(f"{tag}_prefix", f"{tag}_query", f"{tag}_refs"), seed=cfg.seed_base)
+    pipeline = make_pipeline(spec, 1)
+
+    def drive(images: dict[str, np.ndarray], state: np.ndarray, instruction: str) -> np.ndarray:
+        return np.asarray(pipeline.call(images, state, instruction).chunk)
+
+    def close() -> None:
+        pipeline.close()
+
+    pipeline.start_episode()
+    return drive, close
 
 
 @dataclass
@@ -120,20 +194,24 @@ class TaskReport:
 
 
 def record_task(cfg: DemoConfig, task: str, out: Path, log_prefix: str = "") -> TaskReport:
-    """Record ``cfg.episodes`` successful expert episodes of one task into ``out/<task>/``."""
+    """Record ``cfg.episodes`` episodes of one task into ``out/<task>/``: successful expert
+    episodes, or (with ``cfg.policy``) DAgger episodes whatever their outcome."""
     env = MetaWorldTask(cfg.harness(task))
+    driver, close_driver = policy_driver(cfg, task) if cfg.policy else (None, lambda: None)
     topics = bag_topics(cfg.cameras)
     report = TaskReport(task)
     t0 = time.time()
+    tries = cfg.episodes if cfg.policy else cfg.episodes * cfg.max_tries_factor
     try:
-        for i in range(cfg.episodes * cfg.max_tries_factor):
+        for i in range(tries):
             if report.saved >= cfg.episodes:
                 break
             seed = cfg.seed_base + i
-            roll = record_episode(env, seed, cfg.call_every, cfg.tail_steps)
+            roll = record_episode(env, seed, cfg.call_every, cfg.tail_steps, driver, cfg.beta)
             if not roll.episode.success:
                 report.failed_seeds.append(seed)
-                continue
+                if driver is None:
+                    continue
             path = out / task / roll.episode.episode_id
             path.parent.mkdir(parents=True, exist_ok=True)
             write_episode_bag(path, roll.episode, topics, series={ACTION_TOPIC: roll.actions})
@@ -141,9 +219,10 @@ def record_task(cfg: DemoConfig, task: str, out: Path, log_prefix: str = "") -> 
             report.frames += len(roll.episode.frames)
             report.steps += roll.steps
             if report.saved % 10 == 0:
-                print(f"{log_prefix}{task}: {report.saved}/{cfg.episodes} episodes, "
-                      f"{time.time() - t0:.0f}s", flush=True)
+                print(f"{log_prefix}{task}: {report.saved}/{cfg.episodes} episodes "
+                      f"({len(report.failed_seeds)} failed), {time.time() - t0:.0f}s", flush=True)
     finally:
+        close_driver()
         env.close()
     report.seconds = time.time() - t0
     return report
@@ -168,7 +247,7 @@ def record_demos(cfg: DemoConfig, out: str | Path, log=print) -> dict:
         with mp.get_context("spawn").Pool(min(cfg.workers, len(jobs))) as pool:
             reports = pool.map(_worker, jobs, chunksize=1)
     manifest = {
-        "config": asdict(cfg), "topics": {"cameras": bag_topics(cfg.cameras).cameras, "joint_states": "/joint_states",
+        "labels": labels_kind(cfg), "config": asdict(cfg), "topics": {"cameras": bag_topics(cfg.cameras).cameras, "joint_states": "/joint_states",
                                           "instruction": "/instruction", "outcome": "/episode_outcome",
                                           "actions": ACTION_TOPIC},
         "state_names": list(STATE_NAMES), "action_names": list(ACTION_NAMES),
@@ -177,8 +256,9 @@ def record_demos(cfg: DemoConfig, out: str | Path, log=print) -> dict:
     }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
     for r in reports:
-        log(f"{r['task']}: {r['saved']} episodes ({r['frames']} frames, {r['steps']} steps), "
-            f"{len(r['failed_seeds'])} failed seeds, {r['seconds']:.0f}s")
+        failed = f"{len(r['failed_seeds'])} failed" + (" (kept: expert labels)" if cfg.policy else " seeds skipped")
+        log(f"{r['task']}: {r['saved']} episodes ({r['frames']} frames, {r['steps']} steps), {failed}, "
+            f"{r['seconds']:.0f}s")
     log(f"demos written to {out} in {manifest['seconds']}s")
     return manifest
 
@@ -197,6 +277,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pose-band", default="0,1", help="inner,outer normalised band of object poses")
     p.add_argument("--seed-base", type=int, default=d.seed_base)
     p.add_argument("--workers", type=int, default=d.workers)
+    p.add_argument("--policy", default=None, help="DAgger: a checkpoint that drives while the expert labels "
+                                                   "every step (failed episodes are kept)")
+    p.add_argument("--beta", type=float, default=d.beta, help="DAgger: probability that the expert drives a call")
+    p.add_argument("--threads", type=int, default=d.threads, help="DAgger: torch threads per worker")
     return p
 
 
@@ -205,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     band = tuple(float(x) for x in a.pose_band.split(","))
     cfg = DemoConfig(tasks=tuple(a.tasks.split(",")), episodes=a.episodes, cameras=tuple(a.cameras.split(",")),
                      image_size=a.image_size, call_every=a.call_every, tail_steps=a.tail_steps,
-                     max_steps=a.max_steps, pose_band=(band[0], band[1]), seed_base=a.seed_base, workers=a.workers)
+                     max_steps=a.max_steps, pose_band=(band[0], band[1]), seed_base=a.seed_base, workers=a.workers,
+                     policy=a.policy, beta=a.beta, threads=a.threads)
     record_demos(cfg, a.out)
     return 0
 

@@ -19,6 +19,12 @@ step budget, whichever is reached first), so a run always ends with a decayed le
 an exported checkpoint by its deadline. A training state is saved every few minutes;
 ``--resume`` continues from it (weights, optimiser, step, elapsed time, random streams).
 
+``--init-from RUN`` starts a new run (new data, fresh optimiser and schedule) from the weights of
+an earlier run directory, keeping its normalisation statistics and tokenizer so the weights keep
+meaning what they meant: the DAgger round (expert-labelled states the policy visited, recorded
+by ``metaworld_demos --policy``) fine-tunes the policy on the old and new episodes together.
+Unsuccessful episodes are skipped unless their ``demos.json`` says they carry DAgger labels.
+
     python -m vla_runtime.tools.train --demos /tmp/mw/demos --out /tmp/mw/ckpt \\
         --export /tmp/mw/checkpoint --minutes 55
 """
@@ -46,6 +52,7 @@ from ..models.normalize import MODE_QUANTILES, Stats, make_normalizer, save_lero
 from ..models.pi05 import Pi05Model, init_random_
 from ..models.tokenizer import PromptTokenizer, build_prompt, discretize_state, train_prompt_tokenizer
 from ..models.training import TrainingForward, flow_matching_loss
+from .metaworld_demos import keeps_failed_episodes
 
 STATE_FILE = "train_state.pt"
 #: Settings a resumed run takes from its command line instead of the saved run.
@@ -85,6 +92,7 @@ class TrainConfig:
     init_std: float = 0.02
     ema_decay: float = 0.999           # exported weights: exponential moving average (0 = off)
     export_minutes: float = 15.0       # also export the current weights this often (0 = only at the end)
+    init_from: str | None = None       # a run directory: start from its weights, statistics and tokenizer
 
     def validate(self) -> "TrainConfig":
         cfg = preset(self.preset)
@@ -100,6 +108,10 @@ class TrainConfig:
             raise ValueError("ema_decay must be in [0, 1)")
         if not 0 <= self.val_fraction < 0.5 or self.shift < 0:
             raise ValueError("val_fraction in [0, 0.5) and shift >= 0")
+        if self.init_from is not None:
+            for f in (STATE_FILE, DATA_CACHE, "tokenizer.model"):
+                if not (Path(self.init_from) / f).is_file():
+                    raise FileNotFoundError(f"--init-from {self.init_from}: {f} missing (not a training run directory)")
         return self
 
     @property
@@ -152,7 +164,7 @@ def load_demos(cfg: TrainConfig, log=print) -> DemoData:
     skipped = 0
     for e, path in enumerate(bags):
         ep = read_episode(path, topics, cfg.call_period)
-        if ep.success is False:
+        if ep.success is False and not keeps_failed_episodes(path, Path(cfg.demos)):
             skipped += 1
             continue
         series = read_joint_series(path, cfg.action_topic)
@@ -294,8 +306,12 @@ def train(cfg: TrainConfig, resume: bool = False, log=print) -> dict:
         data = load_demos(cfg, log)
         data.save(cache)
         log(f"dataset read in {time.time() - t0:.0f}s")
-    stats = dataset_stats(data)
+    # An initialised run keeps the statistics and tokenizer its weights were trained with.
+    init = Path(cfg.init_from) if cfg.init_from else None
+    stats = dataset_stats(DemoData.load(init / DATA_CACHE) if init else data)
     tok_file = out / "tokenizer.model"
+    if init and not tok_file.exists():
+        shutil.copyfile(init / "tokenizer.model", tok_file)
     if not tok_file.exists():
         corpus = prompts_for(data, stats)
         train_prompt_tokenizer(corpus, tok_file, vocab_size=mcfg.vocab_size, exact_vocab=False)
@@ -334,6 +350,15 @@ def train(cfg: TrainConfig, resume: bool = False, log=print) -> dict:
         gen.set_state(saved["generator"])
         torch.set_rng_state(saved["torch_rng"])
         log(f"resumed at step {step}, {elapsed / 60:.1f} min trained")
+    elif init is not None:
+        start = torch.load(init / STATE_FILE, weights_only=False)
+        if start["config"]["preset"] != cfg.preset:
+            raise ValueError(f"--init-from {init}: preset {start['config']['preset']}, this run {cfg.preset}")
+        model.load_state_dict(start["ema"] if cfg.ema_decay > 0 else start["model"])
+        if cfg.ema_decay > 0:
+            ema_model.load_state_dict(start["ema"])
+        log(f"initialised from {init} (step {start['step']}, {start['elapsed'] / 60:.1f} min trained): "
+            "its weights, statistics and tokenizer")
     fwd = TrainingForward(model)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"model {cfg.preset}: {n_params / 1e6:.2f}M parameters; batch {cfg.batch} x {cfg.draws} draws; "
@@ -430,6 +455,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="run directory: training state, dataset cache, tokenizer")
     p.add_argument("--export", default=None, help="write the final checkpoint (public layout) here")
     p.add_argument("--resume", action="store_true", help="continue the run saved in --out (its settings win)")
+    p.add_argument("--init-from", default=None, help="start from an earlier run directory's weights, statistics "
+                                                     "and tokenizer (fresh optimiser and schedule; e.g. DAgger)")
     p.add_argument("--preset", default=d.preset)
     p.add_argument("--cameras", default=",".join(d.cameras))
     for name in ("batch", "draws", "warmup", "max_steps", "shift", "seed", "threads", "log_every"):
@@ -449,7 +476,8 @@ def main(argv: list[str] | None = None) -> int:
                       seed=a.seed, threads=a.threads, log_every=a.log_every, lr=a.lr, minutes=a.minutes,
                       weight_decay=a.weight_decay, save_minutes=a.save_minutes, call_period=a.call_period,
                       control_dt=a.control_dt, val_fraction=a.val_fraction, time_mode=a.time_mode,
-                      export_dtype=a.export_dtype, ema_decay=a.ema_decay, export_minutes=a.export_minutes)
+                      export_dtype=a.export_dtype, ema_decay=a.ema_decay, export_minutes=a.export_minutes,
+                      init_from=a.init_from)
     train(cfg, resume=a.resume, log=lambda s: print(s, flush=True))
     return 0
 
