@@ -87,6 +87,31 @@ def test_three_processes_equal_one_process(demo):
         np.testing.assert_array_equal(a, b)
 
 
+def test_episode_prepared_ahead_gives_the_same_chunks_with_its_window_loaded_before_the_first_call(demo):
+    """``start_episode(task)``: the cache manager loads the task pack and the initial window when
+    the episode is announced (a robot resetting), not inside the first call; the calls are the
+    same, and the first one no longer pays for the window (nor starts the episode again)."""
+    episode = demo["episode"]
+    with LocalPipeline(_spec(demo, "ahead")) as pipeline:
+        pipeline.start_episode(episode.task)
+        worker = pipeline.cache.worker
+        assert worker.episodes_started == 1 and worker.manager.task == episode.task
+        assert pipeline.last_episode_start_s > 0 and len(worker.manager.entries) > 0   # the window is there
+        ahead = _run(pipeline, episode)
+        assert worker.episodes_started == 1
+        pipeline.start_episode()                        # no task: the next call starts the episode itself
+        assert worker.episodes_started == 1 and pipeline.last_episode_start_s < 1e-3
+    with ProcessPipeline(_spec(demo, "ahead3")) as pipeline:
+        pipeline.start_episode(episode.task)
+        three = _run(pipeline, episode)
+    with LocalPipeline(_spec(demo, "lazy")) as pipeline:
+        lazy = _run(pipeline, episode)
+    for got in (ahead, three):
+        assert [(u, k) for _, u, k in got] == [(u, k) for _, u, k in lazy]
+        for (a, _, _), (b, _, _) in zip(got, lazy):
+            np.testing.assert_array_equal(a, b)
+
+
 def test_without_the_cache_the_pipeline_is_the_dense_policy(demo):
     episode = demo["episode"]
     policy = Pi05Policy.from_checkpoint(demo["checkpoint"], camera_names=list(CAMS))

@@ -50,7 +50,7 @@ def scenario(spec: dict, nodes: dict) -> dict:
     from rcl_interfaces.msg import Parameter, ParameterType, ParameterValue
     from rcl_interfaces.srv import GetParameters, SetParameters
     from sensor_msgs.msg import Image, JointState
-    from std_msgs.msg import String
+    from std_msgs.msg import Empty, String
     from trajectory_msgs.msg import JointTrajectory
 
     from vla_runtime.msg import ActionChunk, PrefixRequest
@@ -95,6 +95,7 @@ def scenario(spec: dict, nodes: dict) -> dict:
     cams = {c: node.create_publisher(Image, t, 10) for c, t in spec["cameras"].items()}
     joints = node.create_publisher(JointState, "/joint_states", 10)
     instruction = node.create_publisher(String, "/instruction", 10)
+    episode_start = node.create_publisher(Empty, "/vla_runtime/episode_start", 10)
     images = {c: np.asarray(v, dtype=np.uint8) for c, v in spec["images"].items()}
     names = list(spec["joint_names"])
     state = [float(x) for x in spec["state"]]
@@ -233,6 +234,16 @@ def scenario(spec: dict, nodes: dict) -> dict:
     back = spin_until(lambda: d("cache manager", "task") == spec["task"] and chunk_after(t, "cached"))
     phase("instruction_changed", ok=ok and back, changes=d("policy", "instruction_changes"), cache_reason=changed[1],
           episodes_started=d("cache manager", "episodes_started"))
+
+    # ---- 11b: the same task starts again: the cache manager prepares the episode on the
+    # announcement itself, so the episode's first query does not start it a second time
+    before = n("cache manager", "episodes_started")
+    episode_start.publish(Empty())
+    prepared = spin_until(lambda: n("cache manager", "episodes_started") > before)
+    t = time.monotonic()
+    served = spin_until(lambda: len([1 for ct, _, src in chunks if ct > t and src == "cached"]) >= 2)
+    phase("episode_start", ok=prepared and served,
+          started=n("cache manager", "episodes_started") - before)
 
     # ---- 12: parameters at run time (what `ros2 param set` does)
     def set_param(target: str, name: str, value) -> tuple[bool, str]:

@@ -110,6 +110,11 @@ def test_changed_instruction_starts_a_new_episode_in_the_cache_manager(report):
     assert p["ok"] and int(p["changes"]) >= 1 and "no task pack" in p["cache_reason"], p
 
 
+def test_episode_start_is_prepared_by_the_cache_manager_ahead_of_the_first_query(report):
+    p = _phase(report, "episode_start")
+    assert p["ok"] and p["started"] == 1, p    # 2 would mean the first query started it again
+
+
 def test_parameters_are_validated_at_run_time(report):
     p = _phase(report, "parameters")
     assert p["out_of_range"][0] is False and "must be in (0, 600]" in p["out_of_range"][1], p

@@ -13,12 +13,13 @@ import time
 
 from diagnostic_msgs.msg import DiagnosticArray
 from rclpy.node import Node
+from std_msgs.msg import Empty
 
 from vla_runtime.msg import ReferenceQuery, ReferenceReply
 
 from .diagnostics import DIAGNOSTICS_TOPIC, diagnostic_array
 from .params import CACHE_MANAGER, declare_parameters, profile_and_checkpoint, ring_names
-from .prefix_ring import QUERY_TOPIC, REPLY_TOPIC
+from .prefix_ring import EPISODE_TOPIC, QUERY_TOPIC, REPLY_TOPIC
 from .spin import run
 from .stages import CacheStage, QueryNote, load_policy
 
@@ -39,6 +40,7 @@ class CacheManagerNode(Node):
         self.reply_pub = self.create_publisher(ReferenceReply, REPLY_TOPIC, 10)
         self.diag_pub = self.create_publisher(DiagnosticArray, DIAGNOSTICS_TOPIC, 10)
         self.create_subscription(ReferenceQuery, QUERY_TOPIC, self._on_query, 10)
+        self.create_subscription(Empty, EPISODE_TOPIC, self._on_episode_start, 10)
         self.create_timer(0.1, self.stage.heartbeat)
         self.create_timer(1.0, self._publish_diagnostics)
         state = "on" if self.stage.enabled else f"off ({self.stage.disabled_reason})"
@@ -61,6 +63,17 @@ class CacheManagerNode(Node):
             self.stage.disable(f"upkeep failed: {e}")
         self.last_answer_s, self.last_upkeep_s = answer_s, time.perf_counter() - t0 - answer_s
         self._publish_diagnostics()
+
+    def _on_episode_start(self, _msg: Empty) -> None:
+        """The same task starts again: load its initial window now, while the robot resets, not in
+        the first call. The policy node numbers episodes from the same message; should the two
+        counts ever differ, the first query starts the episode itself (only slower)."""
+        w = self.stage.worker
+        if w is not None and w.manager.task is not None:
+            t0 = time.perf_counter()
+            self.stage.begin(w.manager.task, (w.episode or 0) + 1)
+            self.get_logger().info(f"episode {w.episode} of {w.manager.task!r} prepared ahead in "
+                                   f"{time.perf_counter() - t0:.3f} s")
 
     def _on_parameter(self, name: str, value: object) -> None:
         if name == "time_available_s":   # from the next call's upkeep on

@@ -76,10 +76,17 @@ class LocalPipeline:
         self.episode = 0
         self.last_choice: ReferenceChoice | None = None
         self.last_times: dict[str, float] = {}
+        self.last_episode_start_s = 0.0
 
-    def start_episode(self) -> None:
-        """The next call starts a new episode (the same task again, e.g. a new object pose)."""
+    def start_episode(self, task: str | None = None) -> None:
+        """The next call starts a new episode (the same task again, e.g. a new object pose).
+        With ``task`` the cache manager prepares it now (``last_episode_start_s``), as it does on
+        a robot while the arm resets, instead of inside the episode's first call."""
         self.episode += 1
+        t0 = time.perf_counter()
+        if task and self.cache is not None:
+            self.cache.begin(task, self.episode)
+        self.last_episode_start_s = time.perf_counter() - t0
 
     def call(self, images: dict[str, np.ndarray], state: np.ndarray, task: str, start_tick: int = 0) -> ChunkResult:
         req = PrefixRequestNote(self._seq, start_tick, tuple(float(x) for x in np.asarray(state).reshape(-1)), task,
@@ -173,6 +180,9 @@ def _cache_main(spec: PipelineSpec, conn: Connection) -> None:
         def loop() -> None:
             try:
                 while (msg := conn.recv()) != _STOP:
+                    if msg[0] == "begin":   # an episode announced ahead of its first query
+                        stage.begin(msg[1], msg[2])
+                        continue
                     _, seq, q = msg
                     conn.send(("reply", seq, stage.answer(q)))
                     stage.upkeep(spec.time_available_s)   # while the other stages finish the call
@@ -229,6 +239,7 @@ class ProcessPipeline:
         self.episode = 0
         self.last_choice: ReferenceChoice | None = None
         self.last_times: dict[str, float] = {}
+        self.last_episode_start_s = 0.0   # not seen here: the cache manager's process prepares in parallel
         names = ("vision", "policy") + (("cache",) if spec.cache.enabled else ())
         try:
             for name in names:
@@ -300,9 +311,13 @@ class ProcessPipeline:
             return False
 
     # ------------------------------------------------------------ calls
-    def start_episode(self) -> None:
-        """The next call starts a new episode (the same task again, e.g. a new object pose)."""
+    def start_episode(self, task: str | None = None) -> None:
+        """The next call starts a new episode (the same task again, e.g. a new object pose).
+        With ``task`` the cache manager process starts preparing it now, while this process
+        goes on (its first query waits behind the preparation in the pipe)."""
         self.episode += 1
+        if task:
+            self._send("cache", ("begin", task, self.episode))
 
     def call(self, images: dict[str, np.ndarray], state: np.ndarray, task: str, start_tick: int = 0,
              timeout_s: float = 600.0) -> ChunkResult:

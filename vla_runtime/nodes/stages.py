@@ -348,6 +348,16 @@ class CacheStage:
         except (ValueError, RuntimeError) as e:   # a query the repository cannot serve: this call runs dense
             return ReferenceChoice(q.request_seq, reason=f"query refused: {e}")
 
+    def begin(self, task: str, episode: int) -> None:
+        """Prepare an episode before its first call (nothing when the cache is off). A task the
+        repository cannot serve is not an error here: its first query answers dense, with why."""
+        if self.worker is None:
+            return
+        try:
+            self.worker.begin(task, episode)
+        except (ValueError, RuntimeError) as e:
+            log.warning("episode %d of %r not prepared ahead: %s", episode, task, e)
+
     def upkeep(self, time_available_s: float | None = None) -> None:
         """Slide the working set after a call (overlaps the robot executing the chunk)."""
         if self.worker is not None and self.worker.manager.task is not None:

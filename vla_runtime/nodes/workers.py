@@ -238,13 +238,21 @@ class CacheWorker:
         self.episodes_started = 0
         self.episode: int | None = None
 
+    def begin(self, task: str, episode: int = 0) -> bool:
+        """Start (task, episode) unless it is the current one: the task pack and the initial
+        window are loaded now. Called ahead of the episode's first query when the caller knows
+        the task (the robot resetting), else by that query itself. True when it started one."""
+        if task == self.manager.task and episode == self.episode:
+            return False
+        self.manager.start_episode(task)
+        self.episodes_started += 1
+        self.episode = episode
+        return True
+
     def query(self, request_seq: int, task: str, features: Tensor, state: np.ndarray | Tensor,
               episode: int = 0) -> ReferenceChoice:
         m = self.manager
-        if task != m.task or episode != self.episode:
-            m.start_episode(task)
-            self.episodes_started += 1
-            self.episode = episode
+        self.begin(task, episode)
         m.observe_state(torch.as_tensor(np.asarray(state, dtype=np.float32)))
         ref = m.select(features)
         match = m.last_match
