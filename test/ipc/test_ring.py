@@ -258,9 +258,12 @@ def test_stale_segment_is_replaced_only_when_its_writer_is_dead(name):
 
 
 def test_crashed_writer_process_leaves_a_segment_that_replace_stale_removes(name):
-    code = ("import os, torch; from vla_runtime.ipc.ring import RingBuffer; from vla_runtime.ipc.layout import "
-            f"SlotLayout; r = RingBuffer.create({name!r}, SlotLayout.from_json({LAYOUT.to_json()!r}), 2); "
-            "os.kill(os.getpid(), 9)")
+    # The writer's whole process tree is SIGKILLed, its resource tracker included: killing only the
+    # writer would let the tracker unlink the segment, at a moment of its own (a race with this test).
+    code = ("import os, torch; from multiprocessing import resource_tracker; from vla_runtime.ipc.ring import "
+            "RingBuffer; from vla_runtime.ipc.layout import SlotLayout; "
+            f"r = RingBuffer.create({name!r}, SlotLayout.from_json({LAYOUT.to_json()!r}), 2); "
+            "os.kill(resource_tracker._resource_tracker._pid, 9); os.kill(os.getpid(), 9)")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), *sys.path]))
     assert subprocess.run([sys.executable, "-c", code], env=env).returncode == -9
     try:
