@@ -274,8 +274,11 @@ def scenario(spec: dict, nodes: dict) -> dict:
     seen = len(requests)
     nodes["vision_node"].send_signal(signal.SIGSTOP)
     t_stop = time.monotonic()
-    holds = n("policy", "holds_published")
-    ok = spin_until(lambda: n("policy", "holds_published") > holds and len(requests) > seen + 1)   # held, asked again
+    # Held: a new hold published, or (when the plan had already gone stale before the stop and its
+    # hold was published then) the policy reporting its plan stale during the stall; and asked again.
+    holds, since = n("policy", "holds_published"), len(diag_log)
+    ok = spin_until(lambda: (n("policy", "holds_published") > holds
+                             or reported("policy", "plan_stale", "True", since) is not None) and len(requests) > seen + 1)
     in_flight = [s for t_, s in requests if t_ < t_stop][-1:]
     during = [s for t_, s in requests if t_ >= t_stop]
     nodes["vision_node"].send_signal(signal.SIGCONT)
