@@ -31,6 +31,18 @@ def _weights_cache(tmp_path_factory: pytest.TempPathFactory):
         os.environ["VLA_RUNTIME_CACHE"] = old
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads():
+    """A test that loads a policy with ``engine.threads`` sets torch's process-wide thread count;
+    restored after it, so a later test comparing this process with spawned stage processes
+    (bit for bit) is not run with another reduction order depending on test order."""
+    import torch
+
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
 def _prompt_corpus(n: int = 600, seed: int = 0) -> list[str]:
     """Sentences shaped like pi0.5 prompts, so the tiny vocab covers the template."""
     rng = random.Random(seed)

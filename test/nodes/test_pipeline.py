@@ -96,11 +96,11 @@ def test_episode_prepared_ahead_gives_the_same_chunks_with_its_window_loaded_bef
         pipeline.start_episode(episode.task)
         worker = pipeline.cache.worker
         assert worker.episodes_started == 1 and worker.manager.task == episode.task
-        assert pipeline.last_episode_start_s > 0 and len(worker.manager.entries) > 0   # the window is there
+        assert len(worker.manager.entries) > 0                 # the window is there before any call
         ahead = _run(pipeline, episode)
         assert worker.episodes_started == 1
         pipeline.start_episode()                        # no task: the next call starts the episode itself
-        assert worker.episodes_started == 1 and pipeline.last_episode_start_s < 1e-3
+        assert worker.episodes_started == 1
     with ProcessPipeline(_spec(demo, "ahead3")) as pipeline:
         pipeline.start_episode(episode.task)
         three = _run(pipeline, episode)

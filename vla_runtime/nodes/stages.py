@@ -87,6 +87,11 @@ class RingNames:
     query: str = DEFAULT_QUERY_RING
     working_set: str = DEFAULT_WORKING_SET
 
+    @classmethod
+    def tagged(cls, tag: str) -> "RingNames":
+        """A private set for one run of a tool (``<tag>_prefix``, ``<tag>_query``, ``<tag>_refs``)."""
+        return cls(f"{tag}_prefix", f"{tag}_query", f"{tag}_refs")
+
 
 def query_layout(cfg: Pi05Config) -> SlotLayout:
     """The retrieval query of one call: intermediate ViT features (fp32, as retrieval ranks them)

@@ -78,7 +78,7 @@ class AlohaTask:
         task = self._env.task
         # Joint positions only at each step; the cameras are rendered by render() when asked.
         task.get_observation = lambda physics: {"qpos": task.get_qpos(physics)}
-        names = {physics_cam for physics_cam in self._camera_names()}
+        names = set(self._camera_names())
         unknown = sorted(set(cfg.cameras.values()) - names)
         if unknown:
             raise ValueError(f"gym-aloha has no camera {unknown}; it has {sorted(names)}")

@@ -28,6 +28,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..engine.safety import JointLimits, SafetyFilter
+from ..models.checkpoint import read_checkpoint_layout
 from ..models.config import preset
 from ..nodes.pipeline import PipelineSpec, make_pipeline
 from ..nodes.profile import CacheSpec, EngineSpec, RobotProfile, load_profile
@@ -150,9 +151,9 @@ def run_aloha(spec: AlohaRunSpec, log: Callable[[str], None] = print) -> dict[st
                               "joint_names": list(profile.joint_names), "n_execute": spec.n_execute,
                               "chunk_duration_s": spec.n_execute * CONTROL_DT, "processes": spec.processes,
                               "engine": asdict(spec.engine)}
-    with AlohaTask(AlohaSimConfig(spec.task, cameras={c: spec.cameras[c] for c in cameras},
-                                  image_size=preset(spec.preset).vision.image_size if spec.checkpoint is None
-                                  else _checkpoint_image_size(spec.checkpoint),
+    image_size = (preset(spec.preset) if spec.checkpoint is None else
+                  read_checkpoint_layout(spec.checkpoint)[3]).vision.image_size
+    with AlohaTask(AlohaSimConfig(spec.task, cameras={c: spec.cameras[c] for c in cameras}, image_size=image_size,
                                   max_steps=spec.max_steps)) as env:
         ckpt = spec.checkpoint
         if ckpt is None:
@@ -164,7 +165,7 @@ def run_aloha(spec: AlohaRunSpec, log: Callable[[str], None] = print) -> dict[st
         report["random_weights"] = spec.checkpoint is None
         tag = f"aloha{os.getpid()}"
         pspec = PipelineSpec(ckpt, tuple(cameras), CacheSpec(enabled=False), spec.engine,
-                             RingNames(f"{tag}_prefix", f"{tag}_query", f"{tag}_refs"), seed=spec.seed,
+                             RingNames.tagged(tag), seed=spec.seed,
                              arm_slices=tuple(tuple(s) for s in profile.arm_slices), state_dim=STATE_DIM)
         episodes = []
         with make_pipeline(pspec, spec.processes) as pipeline:
@@ -174,7 +175,7 @@ def run_aloha(spec: AlohaRunSpec, log: Callable[[str], None] = print) -> dict[st
                 log(f"episode {i + 1}/{spec.episodes} (seed {rec['seed']}): {rec['steps']} steps, {rec['calls']} calls, "
                     f"call {statistics.fmean(rec['call_s']) * 1e3:.0f} ms mean, success {rec['success']}, "
                     f"safety {rec['safety']}")
-    calls = [x for r in episodes for x in r["call_s"]]
+    calls = _stats([x for r in episodes for x in r["call_s"]])
     phases: dict[str, list[float]] = {}
     for r in episodes:
         for k, v in r["phase_s"].items():
@@ -182,13 +183,13 @@ def run_aloha(spec: AlohaRunSpec, log: Callable[[str], None] = print) -> dict[st
     report["episodes"] = [{k: v for k, v in r.items() if not k.endswith("_s")} for r in episodes]
     report["summary"] = {
         "episodes": len(episodes), "successes": sum(r["success"] for r in episodes),
-        "calls": len(calls), "steps": sum(r["steps"] for r in episodes),
-        "call_s": _stats(calls), "phase_mean_s": {k: statistics.fmean(v) for k, v in phases.items()},
+        "calls": sum(r["calls"] for r in episodes), "steps": sum(r["steps"] for r in episodes),
+        "call_s": calls, "phase_mean_s": {k: statistics.fmean(v) for k, v in phases.items()},
         "render_mean_s": statistics.fmean(x for r in episodes for x in r["render_s"]),
         "sim_step_mean_s": statistics.fmean(x for r in episodes for x in r["sim_step_s"]),
         # > 1: the next chunk is ready before the current one runs out (with the call started at
         # the chunk's start; the streaming controller starts it earlier still)
-        "chunk_duration_over_call_p95": (spec.n_execute * CONTROL_DT) / max(_stats(calls)["p95"] or 1e-9, 1e-9),
+        "chunk_duration_over_call_p95": (spec.n_execute * CONTROL_DT) / max(calls["p95"] or 1e-9, 1e-9),
         "outside_limits": sum(r["outside_limits"] for r in episodes),
         "action_dims": sorted({r["action_dims"] for r in episodes}),
     }
@@ -196,8 +197,3 @@ def run_aloha(spec: AlohaRunSpec, log: Callable[[str], None] = print) -> dict[st
     log(f"wrote {spec.out / 'aloha.json'}")
     return report
 
-
-def _checkpoint_image_size(ckpt: Path) -> int:
-    from ..models.checkpoint import read_checkpoint_layout
-
-    return read_checkpoint_layout(Path(ckpt))[3].vision.image_size

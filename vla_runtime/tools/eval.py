@@ -148,7 +148,7 @@ def run_episode(env: MetaWorldTask, pipeline, seed: int, n_execute: int, record:
 def _pipeline(spec: EvalSpec, mode: str, repository: Path | None, tag: str):
     cache = CacheSpec(enabled=mode == "cached", repository=str(repository) if repository else None,
                       rho_p=spec.rho_p, reference_timeout_s=spec.reference_timeout_s)
-    rings = RingNames(f"{tag}_prefix", f"{tag}_query", f"{tag}_refs")
+    rings = RingNames.tagged(tag)
     pspec = PipelineSpec(spec.checkpoint, spec.cameras, cache, spec.engine, rings, spec.seed)
     return make_pipeline(pspec, spec.processes)
 

@@ -162,7 +162,7 @@ def record_episode(env: MetaWorldTask, seed: int, call_every: int, tail_steps: i
     return Rollout(ep, JointSeries(np.asarray(times), np.stack(actions), ACTION_NAMES), step)
 
 
-def policy_driver(cfg: DemoConfig, task: str) -> tuple[Driver, Callable[[], None]]:
+def policy_driver(cfg: DemoConfig) -> tuple[Driver, Callable[[], None]]:
     """The checkpoint as a DAgger driver (dense, in this process), and how to close it."""
     from ..nodes.pipeline import PipelineSpec, make_pipeline
     from ..nodes.profile import CacheSpec, EngineSpec
@@ -170,7 +170,7 @@ def policy_driver(cfg: DemoConfig, task: str) -> tuple[Driver, Callable[[], None
 
     tag = f"dagger{os.getpid()}"
     spec = PipelineSpec(Path(cfg.policy), cfg.cameras, CacheSpec(enabled=False), EngineSpec(threads=cfg.threads),
-                        RingNames(f"{tag}_prefix", f"{tag}_query", f"{tag}_refs"), seed=cfg.seed_base)
+                        RingNames.tagged(tag), seed=cfg.seed_base)
     pipeline = make_pipeline(spec, 1)
 
     def drive(images: dict[str, np.ndarray], state: np.ndarray, instruction: str) -> np.ndarray:
@@ -197,7 +197,7 @@ def record_task(cfg: DemoConfig, task: str, out: Path, log_prefix: str = "") -> 
     """Record ``cfg.episodes`` episodes of one task into ``out/<task>/``: successful expert
     episodes, or (with ``cfg.policy``) DAgger episodes whatever their outcome."""
     env = MetaWorldTask(cfg.harness(task))
-    driver, close_driver = policy_driver(cfg, task) if cfg.policy else (None, lambda: None)
+    driver, close_driver = policy_driver(cfg) if cfg.policy else (None, lambda: None)
     topics = bag_topics(cfg.cameras)
     report = TaskReport(task)
     t0 = time.time()

@@ -62,7 +62,7 @@ def pipeline_spec(spec: RunSpec) -> tuple[PipelineSpec, Any]:
     if cache.enabled and not cache.repository:
         raise ValueError("the cache needs a repository: pass --repository or set cache.repository in the profile")
     tag = f"run{os.getpid()}"
-    rings = RingNames(f"{tag}_prefix", f"{tag}_query", f"{tag}_refs")
+    rings = RingNames.tagged(tag)
     engine = dataclasses.replace(profile.engine, threads=spec.threads or profile.engine.threads)
     return PipelineSpec(Path(checkpoint), tuple(c.name for c in profile.cameras), cache, engine, rings, spec.seed,
                         arm_slices=profile.arm_slices), profile
