@@ -36,7 +36,10 @@ def start_node(name: str, spec: dict) -> subprocess.Popen:
     # stamps the phases send are 30 s off, refused either way).
     extra = {"vision_node": ["-p", f"ring:=prefix_{sfx}", "-p", f"query_ring:=query_{sfx}",
                              "-p", "max_input_age_s:=5.0"],
-             "cache_manager_node": ["-p", f"query_ring:=query_{sfx}"], "policy_node": []}
+             "cache_manager_node": ["-p", f"query_ring:=query_{sfx}"],
+             # Above the vision node's 5 s wait for a reference: on a slow machine a call can take
+             # seconds, and re-asking before it is answered only makes the answer a stale slot.
+             "policy_node": ["-p", "request_timeout_s:=6.0"]}
     log = open(os.path.join(spec["logs"], f"{name}.log"), "a")
     return subprocess.Popen([sys.executable, "-m", f"vla_runtime.nodes.{name}", *args, *extra[name]],
                             stdout=log, stderr=subprocess.STDOUT, text=True)
@@ -176,7 +179,7 @@ def scenario(spec: dict, nodes: dict) -> dict:
         mode["image"] = {}
         refusal = (reported("vision", "last_refusal", text, since) or {}).get("last_refusal", "")
         t = time.monotonic()
-        served = spin_until(lambda: chunk_after(t))
+        served = spin_until(lambda: chunk_after(t), timeout=2 * spec["timeout"])
         phase(f"image_{bad}", ok=ok, refusal=refusal, served_after=served)
 
     # ---- 5: a frozen camera: calls refused, the policy holds; served again once it sends new frames
@@ -190,7 +193,7 @@ def scenario(spec: dict, nodes: dict) -> dict:
     stale, level = frozen.get("stale_cameras", d("vision", "stale_cameras")), frozen.get("level")
     mode["frozen"] = None
     t = time.monotonic()
-    served = spin_until(lambda: chunk_after(t))
+    served = spin_until(lambda: chunk_after(t), timeout=2 * spec["timeout"])
     phase("camera_frozen", ok=ok, stale_cameras=stale, vision_level=level, served_after=served)
 
     # ---- 6-9: bad joint states next to the good ones
@@ -241,7 +244,8 @@ def scenario(spec: dict, nodes: dict) -> dict:
     episode_start.publish(Empty())
     prepared = spin_until(lambda: n("cache manager", "episodes_started") > before)
     t = time.monotonic()
-    served = spin_until(lambda: len([1 for ct, _, src in chunks if ct > t and src == "cached"]) >= 2)
+    served = spin_until(lambda: len([1 for ct, _, src in chunks if ct > t and src == "cached"]) >= 2,
+                        timeout=2 * spec["timeout"])
     phase("episode_start", ok=prepared and served,
           started=n("cache manager", "episodes_started") - before)
 
@@ -283,7 +287,7 @@ def scenario(spec: dict, nodes: dict) -> dict:
     during = [s for t_, s in requests if t_ >= t_stop]
     nodes["vision_node"].send_signal(signal.SIGCONT)
     t = time.monotonic()
-    served = spin_until(lambda: chunk_after(t))
+    served = spin_until(lambda: chunk_after(t), timeout=2 * spec["timeout"])
     spin_until(lambda: False, timeout=1.0)
     abandoned = sorted(set(in_flight + during) - {max(during)}) if during else []
     phase("vision_stalled", ok=ok, served_after=served, abandoned=abandoned,
