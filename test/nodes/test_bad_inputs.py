@@ -504,6 +504,17 @@ def test_parameter_out_of_range_at_start_up_is_refused(table, name, value, why):
     assert P.check_values(table, {n: p.default for n, p in table.items()}) == []   # the defaults are valid
 
 
+def test_request_timeout_too_close_to_the_reference_wait_is_warned():
+    from vla_runtime.nodes.profile import CacheSpec
+
+    assert P.request_timeout_warning(2.0, CacheSpec(enabled=True, reference_timeout_s=0.5)) == ""
+    assert P.request_timeout_warning(0.5, CacheSpec(enabled=False, reference_timeout_s=0.5)) == ""  # never waits
+    why = P.request_timeout_warning(0.8, CacheSpec(enabled=True, reference_timeout_s=0.5))
+    assert "request_timeout_s (0.8 s)" in why and "above 1 s" in why
+    default = P.POLICY["request_timeout_s"].default
+    assert P.request_timeout_warning(default, CacheSpec(enabled=True)) == ""   # the defaults agree
+
+
 def test_parameter_fixed_at_start_up_cannot_change_at_run_time():
     for table, name, value in [(P.POLICY, "seed", 3), (P.POLICY, "profile", "x.yaml"), (P.VISION, "ring", "r2"),
                                (P.CACHE_MANAGER, "working_set", "w2")]:

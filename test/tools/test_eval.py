@@ -48,7 +48,12 @@ def setup(tmp_path_factory) -> dict:
 def test_eval_reports_consistent_numbers(setup):
     spec = EvalSpec(checkpoint=setup["checkpoint"], out=setup["root"] / "out", tasks=(TASK,), episodes=2,
                     n_execute=4, max_steps=10, image_size=32, repository=setup["repo"])
-    report = evaluate(spec, log=lambda m: None)
+    lines: list[str] = []
+    report = evaluate(spec, log=lines.append)
+    # the modes take turns episode by episode, so their times are measured side by side
+    episode_lines = [line.split()[:3] for line in lines if line.split()[1:2] == [TASK]]
+    assert episode_lines == [["dense", TASK, "1/2:"], ["cached", TASK, "1/2:"],
+                             ["dense", TASK, "2/2:"], ["cached", TASK, "2/2:"]]
     on_disk = json.loads((spec.out / "eval.json").read_text())
     assert on_disk["comparison"] == json.loads(json.dumps(report["comparison"], default=float))
     for mode in ("dense", "cached"):

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from vla_runtime.engine.policy import Observation, Pi05Policy
 from vla_runtime.io.bags import BagTopics, Episode, EpisodeFrame, JointSeries, write_episode_bag
 from vla_runtime.models.checkpoint import load_checkpoint
-from vla_runtime.tools.train import TrainConfig, action_chunks, load_demos, train
+from vla_runtime.tools.train import BatchSampler, TrainConfig, action_chunks, load_demos, train
 
 CAMS = ("corner", "topview")
 DT = 0.0125
@@ -134,9 +134,10 @@ def test_init_from_starts_from_the_earlier_weights_statistics_and_tokenizer(trai
     cfg = TrainConfig(demos=str(tmp_path / "demos"), out=str(tmp_path / "run"), export=str(tmp_path / "ck"),
                       preset="pi05-tiny", cameras=CAMS, call_period=CALL_EVERY * DT, control_dt=DT, batch=8, draws=2,
                       lr=0.0, warmup=1, max_steps=2, threads=1, shift=0, log_every=1000, val_fraction=0.0,
-                      export_dtype="float32", init_from=str(root / "run"))
+                      export_dtype="float32", init_from=str(root / "run"), sampling="tasks")
     second = train(cfg, log=lines.append)
     assert any("initialised from" in line for line in lines) and second["steps"] == 2
+    assert any(line.startswith("sampling tasks equally") for line in lines)
     # At learning rate 0 the exported (averaged) weights are exactly the earlier run's.
     old, new = load_file(root / "checkpoint" / "model.safetensors"), load_file(tmp_path / "ck" / "model.safetensors")
     assert old.keys() == new.keys() and all(torch.equal(old[k], new[k]) for k in old)
@@ -147,3 +148,19 @@ def test_init_from_starts_from_the_earlier_weights_statistics_and_tokenizer(trai
         assert old.keys() == new.keys() and all(torch.equal(old[k], new[k]) for k in old), f.name
     with pytest.raises(FileNotFoundError, match="not a training run directory"):
         TrainConfig(demos="x", out="y", init_from=str(tmp_path)).validate()
+
+
+def test_task_sampling_draws_every_task_equally_whatever_its_frame_count():
+    task_of_frame = np.array([0] * 90 + [1] * 9 + [2] * 1)   # one task with 90x the frames of another
+    frames = torch.arange(100)
+    gen = torch.Generator().manual_seed(0)
+    drawn = BatchSampler(frames, task_of_frame, "tasks")(30_000, gen)
+    share = np.bincount(task_of_frame[drawn.numpy()], minlength=3) / len(drawn)
+    assert np.allclose(share, 1 / 3, atol=0.02)
+    assert set(drawn[task_of_frame[drawn.numpy()] == 1].tolist()) == set(range(90, 99))  # every frame of a task reachable
+    by_frame = BatchSampler(frames, task_of_frame, "frames")(30_000, gen)
+    assert np.bincount(task_of_frame[by_frame.numpy()], minlength=3)[0] / len(by_frame) > 0.85
+    only_train = BatchSampler(torch.arange(10, 100), task_of_frame, "tasks")(5_000, gen)
+    assert only_train.min() >= 10                               # validation frames never drawn
+    with pytest.raises(ValueError, match="sampling"):
+        BatchSampler(frames, task_of_frame, "episodes")

@@ -7,6 +7,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator
 
+import numpy as np
 import torch
 
 
@@ -42,3 +43,13 @@ class PhaseTimer:
         finally:
             self._sync()
             self.times.seconds[name] = self.times.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+
+def summarize(values: list[float], quantiles: tuple[float, ...] = (0.5, 0.9)) -> dict[str, float | int | None]:
+    """Count, mean, the given quantiles (keys ``p50``, ``p90``, ...) and maximum of a list of
+    timings, for JSON reports; every statistic is None when there is nothing to summarise."""
+    arr = np.asarray(values, dtype=np.float64)
+    qs = {f"p{round(100 * q)}": (float(np.quantile(arr, q)) if arr.size else None) for q in quantiles}
+    if not arr.size:
+        return {"n": 0, "mean": None, **qs, "max": None}
+    return {"n": int(arr.size), "mean": float(arr.mean()), **qs, "max": float(arr.max())}

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .profile import RobotProfile, load_profile
+from .profile import CacheSpec, RobotProfile, load_profile
 from .stages import RingNames
 
 
@@ -141,6 +141,23 @@ def declare_parameters(node: Any, table: dict[str, Param],
 
     node.add_on_set_parameters_callback(on_set)
     return values
+
+
+def request_timeout_warning(request_timeout_s: float, cache: CacheSpec) -> str:
+    """Why the policy node's request time-out is too short for the profile's cache ('' when fine).
+
+    With the cache on, the vision node may wait up to ``cache.reference_timeout_s`` for a
+    reference before it even starts the prefill; a policy node that gives up sooner abandons
+    every such request and asks again, so a slow cache manager turns into no chunks at all
+    instead of dense ones. Twice the wait leaves room for the vision call itself. A warning, not
+    a refusal: the policy still runs, and a robot without a repository never waits.
+    """
+    if not cache.enabled or request_timeout_s > 2.0 * cache.reference_timeout_s:
+        return ""
+    return (f"request_timeout_s ({request_timeout_s:g} s) leaves little room above the cache's "
+            f"reference_timeout_s ({cache.reference_timeout_s:g} s), which the vision node may wait before its "
+            f"prefill: requests may be abandoned while they are served; set request_timeout_s above "
+            f"{2.0 * cache.reference_timeout_s:g} s")
 
 
 def ring_names(values: dict[str, Any]) -> RingNames:

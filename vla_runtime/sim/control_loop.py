@@ -40,6 +40,7 @@ import numpy as np
 
 from ..engine.predictor import PREDICTORS, ObservedState, make_predictor
 from ..engine.safety import JointLimits, SafetyFilter, Watchdog
+from ..engine.timing import summarize
 from ..engine.scheduler import SchedulerConfig, StreamingScheduler, seconds_to_ticks
 from ..engine.stitching import ActionPlan, ReplaceStitcher, StitchConfig, boundary_jerk
 
@@ -309,14 +310,6 @@ class HarnessResult:
                 "safety": self.safety, "watchdog": self.watchdog, "scheduler": self.scheduler}
 
 
-def _stats(values: list[float]) -> dict:
-    if not values:
-        return {"n": 0}
-    arr = np.asarray(values, dtype=np.float64)
-    return {"n": len(values), "mean": float(arr.mean()), "p50": float(np.median(arr)),
-            "p90": float(np.quantile(arr, 0.9)), "max": float(arr.max())}
-
-
 # ------------------------------------------------------------------------------------------
 # The loop
 # ------------------------------------------------------------------------------------------
@@ -555,7 +548,7 @@ def run_harness(cfg: HarnessConfig, policy: object | None = None, chunk_fn: Chun
         stall_ticks=stall_ticks, stall_rate=stall_ticks / len(measured) if len(measured) else 1.0,
         reaction_latency_s=reactions, reaction_latency_median_s=statistics.median(reactions) if reactions else None,
         events_unreacted=unreacted, boundary_jerk=jerk, calls=len(records), call_records=records,
-        latency_s=_stats([r.latency_s for r in done]), wall_s=_stats([r.wall_s for r in records]),
+        latency_s=summarize([r.latency_s for r in done]), wall_s=summarize([r.wall_s for r in records]),
         max_obs_age_used_s=max(((r.call_tick - r.obs_tick) * dt for r in records), default=0.0),
         concurrent_calls_max=concurrent_max, late_chunks=sum(1 for r in done if r.arrival_tick > r.start_tick),
         chunks_ready_in_time=ready, commands=commands, states=np.stack(robot.history), stalled=stalled,

@@ -28,6 +28,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..engine.safety import JointLimits, SafetyFilter
+from ..engine.timing import summarize
 from ..models.checkpoint import read_checkpoint_layout
 from ..models.config import preset
 from ..nodes.pipeline import PipelineSpec, make_pipeline
@@ -89,14 +90,6 @@ def write_aloha_checkpoint(ckpt: Path, preset_name: str, env: AlohaTask, cameras
     poses = home[None, :] + rng.normal(0.0, 0.15, (512, STATE_DIM))
     poses[:, [6, 13]] = rng.uniform(0.0, 1.0, (512, 2))           # grippers: the whole range
     write_random_checkpoint(ckpt, cfg, [env.instruction], poses, poses, tuple(cameras), seed=seed)
-
-
-def _stats(xs: list[float]) -> dict[str, float | None]:
-    if not xs:
-        return {"mean": None, "p50": None, "p95": None, "max": None}
-    s = sorted(xs)
-    return {"mean": statistics.fmean(s), "p50": s[len(s) // 2], "p95": s[min(len(s) - 1, int(0.95 * len(s)))],
-            "max": s[-1]}
 
 
 def run_episode(env: AlohaTask, pipeline, limits: JointLimits, seed: int, n_execute: int) -> dict[str, Any]:
@@ -175,7 +168,7 @@ def run_aloha(spec: AlohaRunSpec, log: Callable[[str], None] = print) -> dict[st
                 log(f"episode {i + 1}/{spec.episodes} (seed {rec['seed']}): {rec['steps']} steps, {rec['calls']} calls, "
                     f"call {statistics.fmean(rec['call_s']) * 1e3:.0f} ms mean, success {rec['success']}, "
                     f"safety {rec['safety']}")
-    calls = _stats([x for r in episodes for x in r["call_s"]])
+    calls = summarize([x for r in episodes for x in r["call_s"]], (0.5, 0.95))
     phases: dict[str, list[float]] = {}
     for r in episodes:
         for k, v in r["phase_s"].items():

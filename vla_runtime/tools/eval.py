@@ -10,12 +10,13 @@ The cached run needs a reference repository. It is built here, as on a robot: th
 runs ``reference_episodes`` episodes per task on seeds disjoint from the evaluation seeds, its
 successful ones are recorded as rosbag2 episodes and ``build_repository`` turns them into the
 repository (so no evaluation seed is ever a reference). Then both modes run the same evaluation
-seeds; the report has success rate, mean policy calls per successful episode, per-phase latency,
+seeds, interleaved episode by episode so that their times are measured side by side; the report has success rate, mean policy calls per successful episode, per-phase latency,
 the speed-up and the fallback rate, per task and overall, as JSON, a table and a PNG plot.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -234,23 +235,26 @@ def evaluate(spec: EvalSpec, log: Callable[[str], None] = print) -> dict[str, An
     repository = None
     if "cached" in spec.modes:
         repository, report["repository"] = build_reference_repository(spec, log)
-    per_episode: dict[str, list[EpisodeResult]] = {}
-    for mode in spec.modes:
-        results: list[EpisodeResult] = []
-        with _pipeline(spec, mode, repository, f"ev{mode}{os.getpid()}") as pipeline:
-            for task in spec.tasks:
-                env = task_harness(spec, task, spec.pose_band)
-                try:
-                    for i in range(spec.episodes):
+    per_episode: dict[str, list[EpisodeResult]] = {m: [] for m in spec.modes}
+    # Every mode runs each (task, seed) in turn, one right after the other, so a load that comes
+    # and goes on the machine slows both modes alike and the speed ratio stays side by side.
+    with contextlib.ExitStack() as stack:
+        pipelines = {m: stack.enter_context(_pipeline(spec, m, repository, f"ev{m}{os.getpid()}"))
+                     for m in spec.modes}
+        for task in spec.tasks:
+            env = task_harness(spec, task, spec.pose_band)
+            try:
+                for i in range(spec.episodes):
+                    for mode, pipeline in pipelines.items():
                         r = run_episode(env, pipeline, spec.eval_seed + i, spec.n_execute)
-                        results.append(r)
-                        done = [x for x in results if x.task == task]
+                        per_episode[mode].append(r)
+                        done = [x for x in per_episode[mode] if x.task == task]
                         log(f"{mode} {task} {len(done)}/{spec.episodes}: {'success' if r.success else 'failure'}, "
                             f"{r.calls} calls ({r.cached_calls} cached), success so far "
                             f"{sum(x.success for x in done)}/{len(done)}")
-                finally:
-                    env.close()
-        per_episode[mode] = results
+            finally:
+                env.close()
+    for mode, results in per_episode.items():
         cached = mode == "cached"
         report["modes"][mode] = {"overall": aggregate(results, cached),
                                  "per_task": {t: aggregate([r for r in results if r.task == t], cached)

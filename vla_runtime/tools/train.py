@@ -58,6 +58,7 @@ STATE_FILE = "train_state.pt"
 #: Settings a resumed run takes from its command line instead of the saved run.
 RESUME_OVERRIDES = ("export", "max_steps", "minutes", "threads", "log_every", "save_minutes", "export_minutes")
 DATA_CACHE = "dataset.npz"
+SAMPLING_MODES = ("frames", "tasks")
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,7 @@ class TrainConfig:
     max_steps: int = 100_000
     minutes: float = 55.0
     time_mode: str = "schedule"
+    sampling: str = "frames"           # "tasks": each task equally likely per draw, whatever its frame count
     shift: int = 3                     # random image shift in pixels (augmentation), 0 = off
     grad_clip: float = 1.0
     val_fraction: float = 0.05
@@ -102,6 +104,8 @@ class TrainConfig:
             raise ValueError("batch, draws, max_steps >= 1 and minutes > 0")
         if self.time_mode not in ("schedule", "uniform"):
             raise ValueError("time_mode must be 'schedule' or 'uniform'")
+        if self.sampling not in SAMPLING_MODES:
+            raise ValueError(f"sampling must be one of {SAMPLING_MODES}")
         if self.export_dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError("export_dtype must be float32, float16 or bfloat16")
         if not 0 <= self.ema_decay < 1:
@@ -245,6 +249,29 @@ def model_images(u8: torch.Tensor, shift: int = 0, generator: torch.Generator | 
 
 
 # ------------------------------------------------------------------------------------ training
+class BatchSampler:
+    """Draws training frames, uniformly over frames or over tasks first.
+
+    DAgger rounds add most frames where the policy is weakest (failed episodes run to the step
+    limit), so uniform frames let the long, hard tasks crowd out the short ones; drawing the task
+    first keeps every task's share of the updates at 1/T.
+    """
+
+    def __init__(self, frames: torch.Tensor, task_of_frame: np.ndarray, mode: str) -> None:
+        if mode not in SAMPLING_MODES:
+            raise ValueError(f"sampling must be one of {SAMPLING_MODES}, got {mode!r}")
+        self.frames, self.mode = frames, mode
+        tasks = task_of_frame[frames.numpy()]
+        self.by_task = [frames[torch.from_numpy(np.flatnonzero(tasks == t))] for t in np.unique(tasks)]
+
+    def __call__(self, batch: int, generator: torch.Generator) -> torch.Tensor:
+        if self.mode == "frames":
+            return self.frames[torch.randint(0, len(self.frames), (batch,), generator=generator)]
+        which = torch.randint(0, len(self.by_task), (batch,), generator=generator)
+        pick = torch.rand(batch, generator=generator)
+        return torch.stack([self.by_task[t][int(u * len(self.by_task[t]))] for t, u in zip(which.tolist(), pick)])
+
+
 def lr_at(cfg: TrainConfig, step: int, elapsed_s: float) -> float:
     """Linear warm-up, then cosine to ``min_lr_frac`` over the step or time budget (the nearer)."""
     if step < cfg.warmup:
@@ -328,6 +355,10 @@ def train(cfg: TrainConfig, resume: bool = False, log=print) -> dict:
     train_idx = torch.from_numpy(np.flatnonzero(~is_val))
     val_idx = torch.from_numpy(np.flatnonzero(is_val))[:64]
     log(f"{len(train_idx)} training frames, {int(is_val.sum())} validation frames ({n_val} episodes)")
+    sample = BatchSampler(train_idx, data.task, cfg.sampling)
+    if cfg.sampling == "tasks":
+        log("sampling tasks equally: " + ", ".join(f"{data.tasks[int(data.task[f[0]])]} {len(f)} frames"
+                                                   for f in sample.by_task))
 
     model = init_random_(Pi05Model(mcfg), seed=cfg.seed, std=cfg.init_std)
     with torch.no_grad():  # pi0.5-style start: zero-initialised norms and adaptive modulation
@@ -391,7 +422,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print) -> dict:
     while step < cfg.max_steps and elapsed < budget_s:
         for g_ in opt.param_groups:
             g_["lr"] = lr_at(cfg, step, elapsed)
-        idx = train_idx[torch.randint(0, len(train_idx), (cfg.batch,), generator=gen)]
+        idx = sample(cfg.batch, gen)
         imgs = model_images(tensors.images[idx], cfg.shift, gen)
         tmask = tensors.token_mask[idx]
         used = int(tmask.sum(-1).max())  # right padding nobody attends to: cut it (same result)
@@ -466,6 +497,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
     p.add_argument("--time-mode", default=d.time_mode, choices=("schedule", "uniform"))
     p.add_argument("--export-dtype", default=d.export_dtype, choices=("float32", "float16", "bfloat16"))
+    p.add_argument("--sampling", default=d.sampling, choices=SAMPLING_MODES,
+                   help="draw frames uniformly, or each task equally often (after DAgger rounds)")
     return p
 
 
@@ -477,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
                       weight_decay=a.weight_decay, save_minutes=a.save_minutes, call_period=a.call_period,
                       control_dt=a.control_dt, val_fraction=a.val_fraction, time_mode=a.time_mode,
                       export_dtype=a.export_dtype, ema_decay=a.ema_decay, export_minutes=a.export_minutes,
-                      init_from=a.init_from)
+                      init_from=a.init_from, sampling=a.sampling)
     train(cfg, resume=a.resume, log=lambda s: print(s, flush=True))
     return 0
 
