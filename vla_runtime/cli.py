@@ -6,9 +6,13 @@ import argparse
 import json
 import sys
 from dataclasses import fields
+from typing import TYPE_CHECKING
 
 from .models.checkpoint import CheckpointError
 from .models.config import PRESETS
+
+if TYPE_CHECKING:
+    from .io.bags import BagTopics
 
 
 def _log(msg: str) -> None:
@@ -75,18 +79,40 @@ def _soak(args: argparse.Namespace) -> int:
     return 0
 
 
+def _build_cache_topics(args: argparse.Namespace) -> tuple[BagTopics, str]:
+    """The bags' topics and the checkpoint: from ``--robot-profile`` (cameras, every joint-state
+    topic with the joint names, instruction; the state assembled by name as the policy node
+    does) or from the explicit topic flags (one joint-state topic, positions as published)."""
+    from .io.bags import BagTopics, profile_topics
+    from .nodes.profile import load_profile
+
+    if args.robot_profile:
+        given = [flag for flag, value in (("--camera", args.camera), ("--state-topic", args.state_topic),
+                                          ("--instruction-topic", args.instruction_topic)) if value]
+        if given:
+            raise ValueError(f"--robot-profile names the topics; drop {', '.join(given)}")
+        profile = load_profile(args.robot_profile)
+        checkpoint = args.checkpoint or profile.engine.checkpoint
+        if not checkpoint:
+            raise ValueError(f"no checkpoint: pass --checkpoint or set engine.checkpoint in {args.robot_profile}")
+        return profile_topics(profile, outcome=args.outcome_topic or None), checkpoint
+    if not args.checkpoint:
+        raise ValueError("--checkpoint is needed (or --robot-profile with engine.checkpoint)")
+    return BagTopics(cameras=_camera_topics(args.camera), joint_states=args.state_topic or "/joint_states",
+                     instruction=args.instruction_topic or "/instruction",
+                     outcome=args.outcome_topic or None), args.checkpoint
+
+
 def _build_cache(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .cache.builder import BuildConfig, admit_episode, build_repository
     from .cache.repository import ReferenceRepository
     from .engine.policy import Pi05Policy
-    from .io.bags import BagTopics, list_episode_bags
+    from .io.bags import list_episode_bags
 
-    cams = _camera_topics(args.camera)
-    topics = BagTopics(cameras=cams, joint_states=args.state_topic, instruction=args.instruction_topic,
-                       outcome=args.outcome_topic or None)
-    policy = Pi05Policy.from_checkpoint(args.checkpoint, camera_names=list(cams))
+    topics, checkpoint = _build_cache_topics(args)
+    policy = Pi05Policy.from_checkpoint(checkpoint, camera_names=list(topics.cameras))
     bags = list_episode_bags(args.bags)
     if args.admit:
         repo = ReferenceRepository.open(args.out, expect_checkpoint_hash=policy.checkpoint_hash)
@@ -229,12 +255,18 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=_bench)
 
     c = sub.add_parser("build-cache", help="build a reference repository from recorded episodes (rosbag2)")
-    c.add_argument("--checkpoint", required=True, help="the checkpoint the repository is tied to")
+    c.add_argument("--checkpoint", default=None,
+                   help="the checkpoint the repository is tied to (default with --robot-profile: its engine.checkpoint)")
     c.add_argument("--bags", required=True, help="a bag or a directory of episode bags")
     c.add_argument("--out", required=True, help="repository directory (must not exist, unless --admit)")
-    c.add_argument("--camera", action="append", default=[], metavar="NAME=/topic", help="camera topics, in model order")
-    c.add_argument("--state-topic", default="/joint_states")
-    c.add_argument("--instruction-topic", default="/instruction")
+    c.add_argument("--robot-profile", dest="robot_profile", default=None, metavar="YAML",
+                   help="robot profile (config/<robot>.yaml): camera, joint-state and instruction topics and the joint "
+                        "names, so the state is assembled by name from every joint-state topic as on the robot")
+    c.add_argument("--camera", action="append", default=[], metavar="NAME=/topic",
+                   help="camera topics, in model order (without --robot-profile)")
+    c.add_argument("--state-topic", default=None, help="one joint-state topic, positions as published "
+                                                        "(without --robot-profile; default /joint_states)")
+    c.add_argument("--instruction-topic", default=None, help="default /instruction (without --robot-profile)")
     c.add_argument("--outcome-topic", default="/episode_outcome", help="'' when the bags have none")
     c.add_argument("--call-period", dest="call_period", type=float, default=0.5, help="seconds between policy calls")
     c.add_argument("--rho-n", dest="rho_n", type=float, default=0.5, help="fraction of expert neurons in the masks")

@@ -16,9 +16,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import yaml
 from rosbags.rosbag2 import Reader, Writer
 from rosbags.typesys import Stores, get_typestore
+from safetensors.torch import load_file
 
 from vla_runtime.cli import main
 from vla_runtime.io.bags import BAG_FORMAT_VERSION, JOINT_STATE_TYPE
@@ -123,3 +125,29 @@ def test_camera_message_type_differing_from_the_profile_is_warned(tmp_path: Path
     compressed = tmp_path / "compressed.yaml"
     compressed.write_text(yaml.safe_dump(data))
     assert camera_type_warnings(EPISODE, load_profile(compressed)) == []
+
+
+def test_build_cache_with_a_robot_profile_assembles_the_state_by_name(tmp_path: Path, checkpoint: Path, capsys):
+    """The repository built from the split recording with ``--robot-profile`` stores the same
+    states (and history) as the one built from the one-topic recording with explicit topics."""
+    split = tmp_path / "split"
+    split_joint_states(EPISODE, split, SPLIT)
+    cams = [f"--camera={c.name}={c.topic}" for c in load_profile(PROFILE).cameras]
+    common = ["--checkpoint", str(checkpoint), "--outcome-topic", ""]
+    assert main(["build-cache", "--bags", str(EPISODE), "--out", str(tmp_path / "one"), *common, *cams]) == 0
+    assert main(["build-cache", "--bags", str(split), "--out", str(tmp_path / "two"), *common,
+                 "--robot-profile", str(_split_profile(tmp_path))]) == 0
+    one, two = (sorted((tmp_path / r).rglob("episodes/*.safetensors")) for r in ("one", "two"))
+    assert len(one) == len(two) == 1
+    a, b = load_file(one[0]), load_file(two[0])
+    assert a["state"].shape[0] >= 2
+    for key in ("state", "state_history"):
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=0)
+    # Without the profile the split recording has no /joint_states: refused, nothing half-built.
+    capsys.readouterr()
+    assert main(["build-cache", "--bags", str(split), "--out", str(tmp_path / "three"), *common, *cams]) == 2
+    assert not (tmp_path / "three").exists()
+    # The profile names the topics: explicit topic flags alongside it are refused.
+    assert main(["build-cache", "--bags", str(split), "--out", str(tmp_path / "four"), *common, *cams,
+                 "--robot-profile", str(PROFILE)]) == 2
+    assert "--robot-profile names the topics; drop --camera" in capsys.readouterr().err

@@ -32,6 +32,7 @@ from rosbags.typesys import Stores, get_typestore
 
 if TYPE_CHECKING:  # imported at run time inside read_episode: conversions imports this module
     from ..nodes.conversions import JointStateAssembler
+    from ..nodes.profile import RobotProfile
 
 IMAGE_TYPE = "sensor_msgs/msg/Image"
 COMPRESSED_IMAGE_TYPE = "sensor_msgs/msg/CompressedImage"
@@ -121,6 +122,14 @@ class BagTopics:
         if self.outcome is not None:
             topics.append(self.outcome)
         return topics
+
+
+def profile_topics(profile: "RobotProfile", outcome: str | None = None) -> BagTopics:
+    """Bag topics of a robot profile: its cameras in model order, all its joint-state topics with
+    its joint names (so the state is assembled by name, as the policy node does), its instruction
+    topic, and ``outcome`` (replay needs none; building a repository reads it when recorded)."""
+    return BagTopics(cameras={c.name: c.topic for c in profile.cameras}, joint_states=profile.joint_states_topics,
+                     instruction=profile.instruction_topic, outcome=outcome, joint_names=profile.joint_names)
 
 
 def _check_topic_name(topic: object, role: str) -> None:

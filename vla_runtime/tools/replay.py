@@ -48,7 +48,7 @@ from rosbags.typesys.store import Typestore
 
 from ..engine.policy import Observation, Pi05Policy
 from ..engine.timing import PhaseTimer
-from ..io.bags import (BAG_FORMAT_VERSION, COMPRESSED_IMAGE_TYPE, IMAGE_TYPE, BagTopics, Episode, Storage,
+from ..io.bags import (BAG_FORMAT_VERSION, COMPRESSED_IMAGE_TYPE, IMAGE_TYPE, Episode, Storage, profile_topics,
                        read_episode)
 from ..models.checkpoint import checkpoint_files, infer_config, read_tensor_index
 from ..models.config import Pi05Config
@@ -228,14 +228,6 @@ def _json_float(x: float | None) -> float | str | None:
 # --------------------------------------------------------------------------------------------
 # Replay
 # --------------------------------------------------------------------------------------------
-
-
-def profile_topics(profile: RobotProfile) -> BagTopics:
-    """Bag topics of a profile: its cameras in model order, all its joint-state topics with its
-    joint names (so the state is assembled by name, as the policy node does), its instruction
-    topic. The outcome is not needed to replay."""
-    return BagTopics(cameras={c.name: c.topic for c in profile.cameras}, joint_states=profile.joint_states_topics,
-                     instruction=profile.instruction_topic, outcome=None, joint_names=profile.joint_names)
 
 
 def camera_type_warnings(path: Path, profile: RobotProfile) -> list[str]:

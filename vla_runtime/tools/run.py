@@ -20,11 +20,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..io.bags import read_episode
+from ..io.bags import profile_topics, read_episode
 from ..nodes.pipeline import PipelineSpec, make_pipeline
 from ..nodes.profile import load_profile
 from ..nodes.stages import RingNames
-from .replay import profile_topics
 
 
 @dataclass(frozen=True)
