@@ -18,7 +18,7 @@ from vla_runtime.io.bags import write_episode_bag
 from vla_runtime.models.config import preset
 from vla_runtime.sim.metaworld_env import DEFAULT_CAMERAS, TASK_INSTRUCTIONS, MetaWorldConfig, MetaWorldTask
 from vla_runtime.tools.demo import write_random_checkpoint
-from vla_runtime.tools.eval import CALL_PERIOD_S, EvalSpec, evaluate
+from vla_runtime.tools.eval import CALL_PERIOD_S, EvalSpec, evaluate, table as eval_table
 from vla_runtime.tools.metaworld_demos import ACTION_TOPIC, bag_topics, record_episode
 
 TASK = "button-press-topdown-v3"
@@ -72,7 +72,11 @@ def test_eval_reports_consistent_numbers(setup):
     assert report["modes"]["cached"]["overall"]["cached_calls"] >= 1       # the demo's pose is near enough
     assert "retrieve" in report["modes"]["cached"]["overall"]["mean_phase_s"]
     table = (spec.out / "eval.md").read_text()
-    assert TASK in table and "cached vs dense" in table
+    assert TASK in table and "cached vs dense" in table and "| fallback |" in table
+    # a task none of whose reference episodes succeeded is named: its cached episodes ran dense
+    assert "no reference episode succeeded" not in table
+    unreferenced = eval_table({**report, "repository": {"reference_successes": {TASK: 0}}})
+    assert f"no reference episode succeeded for {TASK}: the repository has nothing for it" in unreferenced
     assert (spec.out / "eval.png").stat().st_size > 1000
 
 

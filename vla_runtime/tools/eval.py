@@ -293,24 +293,37 @@ def _fmt(x: float | None, pattern: str = "{:.2f}") -> str:
 
 def table(report: dict[str, Any]) -> str:
     modes = report["modes"]
-    rows = ["| task | " + " | ".join(f"{m} success | {m} calls/success | {m} ms/call" for m in modes) + " |",
-            "|---|" + "---|---|---|" * len(modes)]
+
+    def columns(m: str) -> list[str]:
+        return [f"{m} success", f"{m} calls/success", f"{m} ms/call"] + (["fallback"] if m == "cached" else [])
+
+    header = [c for m in modes for c in columns(m)]
+    rows = ["| task | " + " | ".join(header) + " |", "|---|" + "---|" * len(header)]
     for task in [*report["tasks"], "overall"]:
         cells = []
         for m in modes:
             a = modes[m]["overall"] if task == "overall" else modes[m]["per_task"][task]
             cells += [f"{a['successes']}/{a['episodes']} ({_fmt(a['success_rate'], '{:.0%}')})",
                       _fmt(a["mean_calls_per_success"], "{:.1f}"), _fmt(a["mean_call_s"] and 1e3 * a["mean_call_s"], "{:.1f}")]
+            if m == "cached":
+                cells.append(_fmt(a["fallback_rate"], "{:.0%}"))
         rows.append(f"| {task} | " + " | ".join(cells) + " |")
     text = "\n".join(rows) + "\n"
     if "comparison" in report:
         c = report["comparison"]
+        phases = ", ".join(f"{k} {_fmt(v)}x" for k, v in sorted(c["speedup_per_phase"].items()))
         text += (f"\ncached vs dense: success {c['success_points']:+.1f} points, speed-up per call "
-                 f"{_fmt(c['speedup_per_call'])}x, policy time per success {_fmt(c['speedup_policy_time_per_success'])}x, "
+                 f"{_fmt(c['speedup_per_call'])}x ({phases}), policy time per success "
+                 f"{_fmt(c['speedup_policy_time_per_success'])}x, "
                  f"fallback rate {_fmt(c['fallback_rate'], '{:.0%}')}; outside the calls: episode start "
                  f"{_fmt(c['cached_overheads_s'].get('episode_start') and 1e3 * c['cached_overheads_s']['episode_start'], '{:.0f}')} ms"
                  f" per episode, window upkeep {_fmt(c['cached_overheads_s'].get('upkeep') and 1e3 * c['cached_overheads_s']['upkeep'], '{:.0f}')}"
                  " ms per call (overlapping the chunk's execution on a robot)\n")
+    refs = report.get("repository", {}).get("reference_successes")
+    if refs is not None and (missing := [t for t in report["tasks"] if not refs.get(t)]):
+        one = len(missing) == 1
+        text += (f"\nno reference episode succeeded for {', '.join(missing)}: the repository has nothing for "
+                 f"{'it' if one else 'them'}, so {'its' if one else 'their'} cached episodes ran dense (fallback)\n")
     return text
 
 
