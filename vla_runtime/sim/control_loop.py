@@ -40,9 +40,9 @@ import numpy as np
 
 from ..engine.predictor import PREDICTORS, ObservedState, make_predictor
 from ..engine.safety import JointLimits, SafetyFilter, Watchdog
-from ..engine.timing import summarize
 from ..engine.scheduler import SchedulerConfig, StreamingScheduler, seconds_to_ticks
 from ..engine.stitching import ActionPlan, ReplaceStitcher, StitchConfig, boundary_jerk
+from ..engine.timing import summarize
 
 HARNESS_MODES = ("sync", "stream")
 DEFAULT_TASK = "pick up the red block and put it in the bowl"

@@ -10,8 +10,9 @@ The cached run needs a reference repository. It is built here, as on a robot: th
 runs ``reference_episodes`` episodes per task on seeds disjoint from the evaluation seeds, its
 successful ones are recorded as rosbag2 episodes and ``build_repository`` turns them into the
 repository (so no evaluation seed is ever a reference). Then both modes run the same evaluation
-seeds, interleaved episode by episode so that their times are measured side by side; the report has success rate, mean policy calls per successful episode, per-phase latency,
-the speed-up and the fallback rate, per task and overall, as JSON, a table and a PNG plot.
+seeds, taking turns episode by episode so that their times are measured side by side; the report
+has success rate, mean policy calls per successful episode, per-phase latency, the speed-up and
+the fallback rate, per task and overall, as JSON, a table and a PNG plot.
 """
 
 from __future__ import annotations

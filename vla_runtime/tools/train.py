@@ -262,14 +262,18 @@ class BatchSampler:
             raise ValueError(f"sampling must be one of {SAMPLING_MODES}, got {mode!r}")
         self.frames, self.mode = frames, mode
         tasks = task_of_frame[frames.numpy()]
-        self.by_task = [frames[torch.from_numpy(np.flatnonzero(tasks == t))] for t in np.unique(tasks)]
+        order = np.argsort(tasks, kind="stable")             # the frames grouped by task, in their order
+        self.tasks, counts = np.unique(tasks, return_counts=True)
+        self.grouped = frames[torch.from_numpy(order)]
+        self.counts = torch.from_numpy(counts)
+        self.starts = torch.cumsum(self.counts, 0) - self.counts
 
     def __call__(self, batch: int, generator: torch.Generator) -> torch.Tensor:
         if self.mode == "frames":
             return self.frames[torch.randint(0, len(self.frames), (batch,), generator=generator)]
-        which = torch.randint(0, len(self.by_task), (batch,), generator=generator)
-        pick = torch.rand(batch, generator=generator)
-        return torch.stack([self.by_task[t][int(u * len(self.by_task[t]))] for t, u in zip(which.tolist(), pick)])
+        which = torch.randint(0, len(self.counts), (batch,), generator=generator)
+        within = (torch.rand(batch, generator=generator) * self.counts[which]).long()
+        return self.grouped[self.starts[which] + within]
 
 
 def lr_at(cfg: TrainConfig, step: int, elapsed_s: float) -> float:
@@ -357,8 +361,8 @@ def train(cfg: TrainConfig, resume: bool = False, log=print) -> dict:
     log(f"{len(train_idx)} training frames, {int(is_val.sum())} validation frames ({n_val} episodes)")
     sample = BatchSampler(train_idx, data.task, cfg.sampling)
     if cfg.sampling == "tasks":
-        log("sampling tasks equally: " + ", ".join(f"{data.tasks[int(data.task[f[0]])]} {len(f)} frames"
-                                                   for f in sample.by_task))
+        log("sampling tasks equally: " + ", ".join(f"{data.tasks[int(t)]} {int(n)} frames"
+                                                   for t, n in zip(sample.tasks, sample.counts)))
 
     model = init_random_(Pi05Model(mcfg), seed=cfg.seed, std=cfg.init_std)
     with torch.no_grad():  # pi0.5-style start: zero-initialised norms and adaptive modulation
