@@ -173,12 +173,15 @@ def _eval(args: argparse.Namespace) -> int:
                     reference_seed=args.reference_seed, pose_band=band(args.pose_band),
                     reference_band=band(args.reference_band), n_execute=args.n_execute, max_steps=args.max_steps,
                     processes=args.processes, modes=tuple(args.modes.split(",")), repository=args.repository,
-                    rho_p=args.rho_p, engine=EngineSpec(threads=args.threads))
+                    rho_p=args.rho_p, rho_n=args.rho_n, profile_episodes=args.profile_episodes,
+                    tolerance=args.tolerance, caches=tuple(args.caches.split(",")),
+                    engine=EngineSpec(threads=args.threads))
     report = evaluate(spec, log=_log)
     from pathlib import Path
 
     print(Path(spec.out, "eval.md").read_text())
-    print(json.dumps({k: report[k] for k in ("comparison",) if k in report}, indent=2))
+    if "comparison" in report:   # one mode alone has nothing to compare
+        print(json.dumps(report["comparison"], indent=2))
     return 0
 
 
@@ -352,7 +355,18 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--processes", type=int, default=1, choices=[1, 3], help="pipeline in 1 process or 3")
     ev.add_argument("--modes", default="dense,cached", help="comma-separated: dense, cached")
     ev.add_argument("--repository", default=None, help="an existing reference repository (skips recording references)")
-    ev.add_argument("--rho-p", dest="rho_p", type=float, default=0.4, help="Context Cache recompute fraction")
+    ev.add_argument("--rho-p", dest="rho_p", type=float, default=None,
+                    help="Context Cache recompute fraction (default: profiled when the repository is built here, "
+                         "else 0.4)")
+    ev.add_argument("--rho-n", dest="rho_n", type=float, default=None,
+                    help="Action Cache neuron fraction of the repository built here (default: profiled; "
+                         "--repository keeps its own)")
+    ev.add_argument("--profile-episodes", dest="profile_episodes", type=int, default=2,
+                    help="reference episodes per task replayed to profile rho_p/rho_n")
+    ev.add_argument("--tolerance", type=float, default=0.05,
+                    help="mean relative action deviation the profiled ratios may cost")
+    ev.add_argument("--caches", default="context,action",
+                    help="comma-separated halves of the cache the cached mode runs: context, action (ablations)")
     ev.add_argument("--threads", type=int, default=None, help="torch threads per pipeline process")
     ev.set_defaults(func=_eval)
 

@@ -80,7 +80,7 @@ def _call_and_check(rig, i: int) -> bool:
     frame = _frame(episode, i)
     res = pipeline.call(frame.images, np.asarray(frame.state), episode.task)
     want, key = shadow.expect(frame, episode.task, res.request_seq)
-    assert res.request_seq == pipeline._seq - 1              # this call's chunk, never an earlier one's
+    assert res.request_seq == pipeline.numbering.seq - 1              # this call's chunk, never an earlier one's
     np.testing.assert_allclose(res.chunk, want, rtol=0, atol=1e-5)
     choice = pipeline.last_choice
     assert ((choice.episode, choice.index) if res.used_reference else None) == key   # the same reference
@@ -125,7 +125,7 @@ def test_stalled_policy_times_out_and_its_late_chunk_is_never_handed_out(rig):
             pipeline.call(frame.images, np.asarray(frame.state), episode.task, timeout_s=3.0)
     finally:
         os.kill(pid, signal.SIGCONT)                               # its chunk for that call now comes late
-    shadow.expect(frame, episode.task, pipeline._seq - 1)         # the cache manager did see that call
+    shadow.expect(frame, episode.task, pipeline.numbering.seq - 1)         # the cache manager did see that call
     _call_and_check(rig, 13)                                      # the next call gets its own chunk
 
 
@@ -136,7 +136,7 @@ def test_policy_killed_mid_call_resumes_without_stale_chunks(rig):
     frame = _frame(episode, 14)
     with pytest.raises(TimeoutError):
         pipeline.call(frame.images, np.asarray(frame.state), episode.task, timeout_s=3.0)
-    shadow.expect(frame, episode.task, pipeline._seq - 1)
+    shadow.expect(frame, episode.task, pipeline.numbering.seq - 1)
     os.kill(pid, signal.SIGKILL)                                   # dies with a slot note pending
     pipeline.restart("policy")
     assert pipeline.processes["vision"].is_alive() and pipeline.processes["cache"].is_alive()

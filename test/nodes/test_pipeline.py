@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from vla_runtime.cache.manager import CacheManager, ManagerConfig
@@ -22,7 +23,7 @@ from vla_runtime.engine.policy import Observation, Pi05Policy
 from vla_runtime.io.bags import list_episode_bags
 from vla_runtime.nodes.pipeline import LocalPipeline, PipelineSpec, ProcessPipeline
 from vla_runtime.nodes.profile import CacheSpec
-from vla_runtime.nodes.stages import RingNames
+from vla_runtime.nodes.stages import RingNames, episode_noise_key
 
 CAMS = ("top", "wrist")
 
@@ -31,8 +32,8 @@ def _rings(tag: str) -> RingNames:
     return RingNames(f"t{os.getpid()}_{tag}_p", f"t{os.getpid()}_{tag}_q", f"t{os.getpid()}_{tag}_w")
 
 
-def _spec(demo: dict, tag: str, repository: str | None = None, enabled: bool = True) -> PipelineSpec:
-    cache = CacheSpec(enabled=enabled, repository=repository or str(demo["repo"]), reference_timeout_s=60.0)
+def _spec(demo: dict, tag: str, repository: str | None = None, enabled: bool = True, **halves: bool) -> PipelineSpec:
+    cache = CacheSpec(enabled=enabled, repository=repository or str(demo["repo"]), reference_timeout_s=60.0, **halves)
     return PipelineSpec(Path(demo["checkpoint"]), CAMS, cache, rings=_rings(tag), seed=3, time_available_s=10.0)
 
 
@@ -45,13 +46,14 @@ def _run(pipeline, episode) -> list[tuple[np.ndarray, bool, object]]:
     return out
 
 
-def _expected(demo: dict, seed: int) -> list[tuple[np.ndarray, object]]:
+def _expected(demo: dict, seed: int, **halves: bool) -> list[tuple[np.ndarray, object]]:
     """The same calls through the cached engine and the cache manager, on one model in this process."""
     policy = Pi05Policy.from_checkpoint(demo["checkpoint"], camera_names=list(CAMS))
     repo = ReferenceRepository.open(demo["repo"])
     manager = CacheManager(policy.engine.model, repo, ManagerConfig(RetrievalConfig(history_len=repo.meta.history_len)))
     engine = CachedEngine(policy.engine.model, CacheConfig(rho_p=0.4, rho_n=repo.meta.rho_n,
-                                                           groups=tuple(tuple(g) for g in repo.meta.mask_groups)))
+                                                           groups=tuple(tuple(g) for g in repo.meta.mask_groups),
+                                                           **halves))
     episode = demo["episode"]
     manager.start_episode(episode.task)
     out = []
@@ -74,6 +76,20 @@ def test_one_process_pipeline_equals_the_cached_engine(demo):
     for (chunk, used, key), (want, want_key) in zip(got, expected):
         assert (key if used else None) == want_key
         np.testing.assert_allclose(chunk, want, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("half", ["context_cache", "action_cache"])
+def test_one_half_of_the_cache_alone_equals_the_engine_with_that_half(demo, half):
+    """``cache.context_cache`` / ``cache.action_cache`` off: the pipeline runs the other half only,
+    as the cached engine configured so does; a call counts as cached when either half served it."""
+    with LocalPipeline(_spec(demo, f"half{half}", **{half: False})) as pipeline:
+        results = [pipeline.call(f.images, np.asarray(f.state), demo["episode"].task) for f in demo["episode"].frames]
+    expected = _expected(demo, seed=3, **{half: False})
+    for res, (want, _) in zip(results, expected):
+        np.testing.assert_allclose(res.chunk, want, rtol=0, atol=1e-6)
+    assert any(r.cached for r in results)
+    assert all(r.used_reference == (half == "context_cache") for r in results if r.cached)
+    assert all(bool(r.meta.context_cache) == (half == "action_cache") for r in results if r.cached)
 
 
 def test_three_processes_equal_one_process(demo):
@@ -123,6 +139,40 @@ def test_without_the_cache_the_pipeline_is_the_dense_policy(demo):
                                   generator=torch.Generator().manual_seed(3 * 1_000_003 + i)).actions
             assert not res.used_reference and pipeline.last_choice is None
             np.testing.assert_allclose(res.chunk, want, rtol=0, atol=1e-5)
+
+
+def test_a_seeded_episode_draws_its_own_noise_whatever_ran_before(demo):
+    """``start_episode(noise_seed=s)``: call i of the episode denoises from the noise of
+    ``episode_noise_key(s, i)``, in one process or three, however many calls the pipeline made
+    before; so dense and cached runs of one seeded episode start from the same noise (eval)."""
+    episode = demo["episode"]
+    frames = episode.frames
+    assert len(frames) >= 2
+    policy = Pi05Policy.from_checkpoint(demo["checkpoint"], camera_names=list(CAMS))
+    want = [policy.predict(Observation(f.images, f.state, episode.task),
+                           generator=torch.Generator().manual_seed(3 * 1_000_003 + episode_noise_key(7, i))).actions
+            for i, f in enumerate(frames)]
+
+    def seeded(pipeline, seed: int) -> list[np.ndarray]:
+        pipeline.start_episode(episode.task, noise_seed=seed)
+        return [pipeline.call(f.images, np.asarray(f.state), episode.task).chunk for f in frames]
+
+    with LocalPipeline(_spec(demo, "noise1", enabled=False)) as pipeline:
+        first = seeded(pipeline, 7)
+        other = seeded(pipeline, 8)
+    with ProcessPipeline(_spec(demo, "noise3", enabled=False)) as pipeline:
+        pipeline.start_episode(episode.task)                 # an unseeded episode of 2 calls first
+        for f in episode.frames[:2]:
+            pipeline.call(f.images, np.asarray(f.state), episode.task)
+        later = seeded(pipeline, 7)
+        assert pipeline.numbering.seq == 2 + len(frames) and pipeline.episode == 2
+    for a, b, w in zip(first, later, want):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(a, w, rtol=0, atol=1e-5)
+    assert not np.allclose(first[0], other[0])               # another seed, other noise
+    with LocalPipeline(_spec(demo, "noisebad", enabled=False)) as pipeline:
+        with pytest.raises(ValueError, match="episode seed"):
+            pipeline.start_episode(episode.task, noise_seed=-1)
 
 
 def test_a_refused_repository_runs_dense_and_says_why(demo, tmp_path):

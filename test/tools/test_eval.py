@@ -7,18 +7,21 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from vla_runtime.cache.builder import BuildConfig, build_repository
+from vla_runtime.cache.repository import ReferenceRepository
 from vla_runtime.engine.policy import Pi05Policy
 from vla_runtime.io.bags import write_episode_bag
 from vla_runtime.models.config import preset
 from vla_runtime.sim.metaworld_env import DEFAULT_CAMERAS, TASK_INSTRUCTIONS, MetaWorldConfig, MetaWorldTask
 from vla_runtime.tools.demo import write_random_checkpoint
-from vla_runtime.tools.eval import CALL_PERIOD_S, EvalSpec, evaluate, table as eval_table
+from vla_runtime.tools import eval as eval_tool
+from vla_runtime.tools.eval import CALL_PERIOD_S, EpisodeResult, EvalSpec, evaluate, paired, table as eval_table
 from vla_runtime.tools.metaworld_demos import ACTION_TOPIC, bag_topics, record_episode
 
 TASK = "button-press-topdown-v3"
@@ -42,7 +45,7 @@ def setup(tmp_path_factory) -> dict:
     call_period = roll.episode.frames[1].t - roll.episode.frames[0].t
     build_repository(policy, policy.checkpoint_hash, [bag], root / "repo", bag_topics(DEFAULT_CAMERAS),
                      call_period, BuildConfig(rho_n=0.5), log=lambda m: None)
-    return {"root": root, "checkpoint": ckpt, "repo": root / "repo"}
+    return {"root": root, "checkpoint": ckpt, "repo": root / "repo", "bag": bag}
 
 
 def test_eval_reports_consistent_numbers(setup):
@@ -55,6 +58,7 @@ def test_eval_reports_consistent_numbers(setup):
     assert episode_lines == [["dense", TASK, "1/2:"], ["cached", TASK, "1/2:"],
                              ["dense", TASK, "2/2:"], ["cached", TASK, "2/2:"]]
     on_disk = json.loads((spec.out / "eval.json").read_text())
+    assert on_disk["max_steps"] == spec.max_steps and on_disk["n_execute"] == spec.n_execute
     assert on_disk["comparison"] == json.loads(json.dumps(report["comparison"], default=float))
     for mode in ("dense", "cached"):
         episodes = report["episodes"][mode]
@@ -71,8 +75,12 @@ def test_eval_reports_consistent_numbers(setup):
     assert report["modes"]["dense"]["overall"]["fallback_rate"] is None
     assert report["modes"]["cached"]["overall"]["cached_calls"] >= 1       # the demo's pose is near enough
     assert "retrieve" in report["modes"]["cached"]["overall"]["mean_phase_s"]
+    pr = report["comparison"]["paired"]["overall"]
+    assert pr["pairs"] == 2 and pr["both"] + pr["dense_only"] + pr["cached_only"] + pr["neither"] == 2
+    assert pr["difference_points"] == pytest.approx(report["comparison"]["success_points"])   # same seeds
+    assert report["comparison"]["paired"]["per_task"][TASK]["pairs"] == 2
     table = (spec.out / "eval.md").read_text()
-    assert TASK in table and "cached vs dense" in table and "| fallback |" in table
+    assert TASK in table and "cached vs dense" in table and "| fallback |" in table and "seed by seed" in table
     # a task none of whose reference episodes succeeded is named: its cached episodes ran dense
     assert "no reference episode succeeded" not in table
     unreferenced = eval_table({**report, "repository": {"reference_successes": {TASK: 0}}})
@@ -83,3 +91,79 @@ def test_eval_reports_consistent_numbers(setup):
 def test_eval_refuses_overlapping_seeds(setup, tmp_path):
     with pytest.raises(ValueError, match="overlap"):
         EvalSpec(checkpoint=setup["checkpoint"], out=tmp_path, eval_seed=10, episodes=5, reference_seed=12)
+
+
+def test_a_cached_run_with_nothing_for_the_task_repeats_the_dense_run_seed_for_seed(setup):
+    """Both modes draw the same noise on a seed: where the repository has nothing (another task),
+    every cached call falls back to dense and each episode is the dense one, step for step."""
+    other = "drawer-close-v3"
+    spec = EvalSpec(checkpoint=setup["checkpoint"], out=setup["root"] / "out_other", tasks=(other,), episodes=2,
+                    n_execute=4, max_steps=12, image_size=32, repository=setup["repo"])
+    report = evaluate(spec, log=lambda m: None)
+    assert report["modes"]["cached"]["overall"]["cached_calls"] == 0
+    assert report["modes"]["cached"]["overall"]["fallback_rate"] == 1.0
+    pr = report["comparison"]["paired"]["overall"]
+    assert pr["identical_episodes"] == pr["pairs"] == 2 and pr["dense_only"] == pr["cached_only"] == 0
+    for d, c in zip(report["episodes"]["dense"], report["episodes"]["cached"]):
+        assert d["seed"] == c["seed"] and d["steps"] == c["steps"] and len(d["final_state"]) == 4
+        assert d["final_state"] == c["final_state"]
+
+
+def _episode(task: str, seed: int, success: bool) -> EpisodeResult:
+    return EpisodeResult(task, seed, success, 10, 3, 0, [], {}, {})
+
+
+def test_paired_difference_counts_discordant_seeds_and_its_standard_error():
+    outcomes = [(True, True)] * 5 + [(True, False)] * 3 + [(False, True)] + [(False, False)]
+    dense = [_episode("t", i, d) for i, (d, _) in enumerate(outcomes)]
+    cached = [_episode("t", i, c) for i, (_, c) in reversed(list(enumerate(outcomes)))]   # matched by seed
+    pr = paired(dense, cached)
+    assert (pr["pairs"], pr["both"], pr["dense_only"], pr["cached_only"], pr["neither"]) == (10, 5, 3, 1, 1)
+    diffs = np.array([int(c) - int(d) for d, c in outcomes], dtype=float)
+    assert pr["difference_points"] == pytest.approx(100 * diffs.mean())
+    assert pr["standard_error_points"] == pytest.approx(100 * diffs.std(ddof=1) / np.sqrt(10))
+    lo, hi = pr["interval95_points"]
+    assert lo < pr["difference_points"] < hi
+    assert paired(dense, [])["difference_points"] is None and paired(dense, [])["pairs"] == 0
+
+
+def test_the_context_cache_alone_serves_the_prefill_and_denoises_dense(setup):
+    """``caches=("context",)`` (``--caches context``): calls with a reference count as cached (the
+    prefill reused it) while the Action Cache stays off; bad cache names are refused."""
+    spec = EvalSpec(checkpoint=setup["checkpoint"], out=setup["root"] / "out_context", tasks=(TASK,), episodes=1,
+                    n_execute=4, max_steps=8, image_size=32, repository=setup["repo"], modes=("cached",),
+                    caches=("context",))
+    report = evaluate(spec, log=lambda m: None)
+    assert report["caches"] == ["context"]
+    assert report["modes"]["cached"]["overall"]["cached_calls"] >= 1
+    with pytest.raises(ValueError, match="caches must be"):
+        EvalSpec(checkpoint=setup["checkpoint"], out=setup["root"], caches=("prefill",))
+    with pytest.raises(ValueError, match="caches must be"):
+        EvalSpec(checkpoint=setup["checkpoint"], out=setup["root"], caches=())
+
+
+@pytest.mark.parametrize("given", [False, True])
+def test_a_repository_built_by_eval_runs_at_profiled_ratios_unless_given(setup, tmp_path, monkeypatch, given):
+    """Built by ``eval`` the repository's ratios are profiled on its own reference episodes (one
+    held out per task here) and adopted: masks at the profiled rho_n, the cached mode at the
+    profiled rho_p. Given ratios are used as they are, without profiling."""
+    bags = []
+    for k in range(2):   # two "successful reference episodes" of the task: the expert's demo, twice
+        shutil.copytree(setup["bag"], tmp_path / f"ref{k}")
+        bags.append(tmp_path / f"ref{k}")
+    monkeypatch.setattr(eval_tool, "record_references", lambda spec, log: (bags, {TASK: 2}))
+    ratios = {"rho_p": 0.6, "rho_n": 0.75} if given else {}
+    spec = EvalSpec(checkpoint=setup["checkpoint"], out=tmp_path / "out", tasks=(TASK,), episodes=1, n_execute=4,
+                    max_steps=4, image_size=32, profile_episodes=1, **ratios)
+    report = evaluate(spec, log=lambda m: None)
+    repo = report["repository"]
+    assert repo["built"] and bool(repo["profile"]) != given
+    if given:
+        assert (repo["rho_p"], repo["rho_n"]) == (0.6, 0.75)
+    else:
+        points = {(p["rho_p"], p["rho_n"]) for p in repo["profile"]}
+        assert (repo["rho_p"], repo["rho_n"]) in points
+        chosen = next(p for p in repo["profile"] if (p["rho_p"], p["rho_n"]) == (repo["rho_p"], repo["rho_n"]))
+        assert chosen["mean_deviation"] <= spec.tolerance
+    assert ReferenceRepository.open(tmp_path / "out" / "repository", verify=False).meta.rho_n == repo["rho_n"]
+    assert ("profiled on the reference episodes" in (tmp_path / "out" / "eval.md").read_text()) != given

@@ -26,7 +26,7 @@ from ..engine.policy import Pi05Policy
 from ..ipc.ring import RingBufferError
 from .profile import CacheSpec, EngineSpec
 from .stages import (CacheStage, ChunkResult, PolicyStage, PrefixRequestNote, QueryNote, RingNames, VisionStage,
-                     cache_config, load_policy, open_repository_meta)
+                     cache_config, episode_noise_key, load_policy, open_repository_meta)
 from .workers import ReferenceChoice
 
 log = logging.getLogger(__name__)
@@ -58,6 +58,35 @@ class PipelineSpec:
         return load_policy(self.checkpoint, self.engine, self.cameras, self.state_dim)
 
 
+class RequestNumbering:
+    """Numbers a pipeline's calls and episodes, as the policy node does on a robot.
+
+    Calls are numbered across episodes (``request_seq``) and draw the noise stream of that
+    number. An episode started with a ``noise_seed`` draws ``episode_noise_key(noise_seed, call)``
+    instead: two pipelines running the same seeded episodes (dense and cached in ``eval``) then
+    denoise from the same noise at the same call, whatever else each ran before."""
+
+    def __init__(self) -> None:
+        self.seq = 0
+        self.episode = 0
+        self._noise_seed: int | None = None
+        self._call = 0   # calls in this episode
+
+    def start_episode(self, noise_seed: int | None = None) -> None:
+        if noise_seed is not None:
+            episode_noise_key(noise_seed, 0)   # refuses a bad seed now, not at the first call
+        self.episode += 1
+        self._noise_seed, self._call = noise_seed, 0
+
+    def request(self, state: np.ndarray, task: str, start_tick: int) -> PrefixRequestNote:
+        key = None if self._noise_seed is None else episode_noise_key(self._noise_seed, self._call)
+        req = PrefixRequestNote(self.seq, start_tick, tuple(float(x) for x in np.asarray(state).reshape(-1)), task,
+                                self.episode, key)
+        self.seq += 1
+        self._call += 1
+        return req
+
+
 class LocalPipeline:
     """All three stages in this process, sharing one model (they never run at the same time)."""
 
@@ -72,26 +101,28 @@ class LocalPipeline:
         except BaseException:
             self.vision.close()
             raise
-        self._seq = 0
-        self.episode = 0
+        self.numbering = RequestNumbering()
         self.last_choice: ReferenceChoice | None = None
         self.last_times: dict[str, float] = {}
         self.last_episode_start_s = 0.0
 
-    def start_episode(self, task: str | None = None) -> None:
+    @property
+    def episode(self) -> int:
+        return self.numbering.episode
+
+    def start_episode(self, task: str | None = None, noise_seed: int | None = None) -> None:
         """The next call starts a new episode (the same task again, e.g. a new object pose).
         With ``task`` the cache manager prepares it now (``last_episode_start_s``), as it does on
-        a robot while the arm resets, instead of inside the episode's first call."""
-        self.episode += 1
+        a robot while the arm resets, instead of inside the episode's first call. With
+        ``noise_seed`` the episode's noise depends on that seed only (``RequestNumbering``)."""
+        self.numbering.start_episode(noise_seed)
         t0 = time.perf_counter()
         if task and self.cache is not None:
             self.cache.begin(task, self.episode)
         self.last_episode_start_s = time.perf_counter() - t0
 
     def call(self, images: dict[str, np.ndarray], state: np.ndarray, task: str, start_tick: int = 0) -> ChunkResult:
-        req = PrefixRequestNote(self._seq, start_tick, tuple(float(x) for x in np.asarray(state).reshape(-1)), task,
-                                self.episode)
-        self._seq += 1
+        req = self.numbering.request(state, task, start_tick)
         ask = self.cache.answer if self.cache is not None and self.cache.enabled else None
         note = self.vision.encode(req, images, ask)
         self.last_choice = self.vision.last_choice
@@ -235,8 +266,7 @@ class ProcessPipeline:
         self._ctx = mp.get_context("spawn")   # a fresh interpreter per stage, like a node process
         self.processes: dict[str, mp.Process] = {}
         self.conns: dict[str, Connection | None] = {}
-        self._seq = 0
-        self.episode = 0
+        self.numbering = RequestNumbering()
         self.last_choice: ReferenceChoice | None = None
         self.last_times: dict[str, float] = {}
         self.last_episode_start_s = 0.0   # not seen here: the cache manager's process prepares in parallel
@@ -311,20 +341,23 @@ class ProcessPipeline:
             return False
 
     # ------------------------------------------------------------ calls
-    def start_episode(self, task: str | None = None) -> None:
+    @property
+    def episode(self) -> int:
+        return self.numbering.episode
+
+    def start_episode(self, task: str | None = None, noise_seed: int | None = None) -> None:
         """The next call starts a new episode (the same task again, e.g. a new object pose).
         With ``task`` the cache manager process starts preparing it now, while this process
-        goes on (its first query waits behind the preparation in the pipe)."""
-        self.episode += 1
+        goes on (its first query waits behind the preparation in the pipe). With ``noise_seed``
+        the episode's noise depends on that seed only (``RequestNumbering``)."""
+        self.numbering.start_episode(noise_seed)
         if task:
             self._send("cache", ("begin", task, self.episode))
 
     def call(self, images: dict[str, np.ndarray], state: np.ndarray, task: str, start_tick: int = 0,
              timeout_s: float = 600.0) -> ChunkResult:
-        req = PrefixRequestNote(self._seq, start_tick, tuple(float(x) for x in np.asarray(state).reshape(-1)), task,
-                                self.episode)
+        req = self.numbering.request(state, task, start_tick)
         seq = req.request_seq
-        self._seq += 1
         if not self._send("vision", ("request", req, images)):
             raise StageDied(f"call {seq}: the vision stage is not running")
         deadline = time.monotonic() + timeout_s

@@ -240,9 +240,9 @@ class PolicyNode(Node):
                 self._refuse(self.controller.last_rejection)
             self._publish_diagnostics()
             return
-        self.cached_calls += int(result.used_reference)
+        self.cached_calls += int(result.cached)
         self._publish(result.request_seq, self.controller.within_limits(result.chunk), first, upcoming,
-                      "cached" if result.used_reference else "dense")
+                      "cached" if result.cached else "dense")
         self._publish_diagnostics()
 
     def _publish_hold(self, action: np.ndarray) -> None:

@@ -76,6 +76,8 @@ class CacheSpec:
     lookahead: int = 4       # L
     memory_budget_mb: int = 4096
     reference_timeout_s: float = 0.5   # the vision node waits this long for an answer, then runs dense
+    context_cache: bool = True   # reuse the reference's VLM FFN outputs in the prefill (rMuscle Context Cache)
+    action_cache: bool = True    # compute the reference's neuron masks only between anchor steps (Action Cache)
 
 
 @dataclass(frozen=True)
@@ -162,6 +164,11 @@ class RobotProfile:
             raise bad("cache", "rho_p in (0, 1], episodes >= 1, lookahead >= 0, memory_budget_mb >= 1")
         if not (isinstance(c.reference_timeout_s, (int, float)) and 0 < c.reference_timeout_s <= 60):
             raise bad("cache.reference_timeout_s", f"must be in (0, 60] s, got {c.reference_timeout_s!r}")
+        if not (isinstance(c.context_cache, bool) and isinstance(c.action_cache, bool)):
+            raise bad("cache", f"context_cache and action_cache must be true or false, got "
+                               f"{c.context_cache!r}, {c.action_cache!r}")
+        if c.enabled and not (c.context_cache or c.action_cache):
+            raise bad("cache", "enabled with both context_cache and action_cache off: set enabled: false instead")
         e = self.engine
         if e.preset is not None and e.preset not in PRESETS:
             raise bad("engine.preset", f"must be null or one of {sorted(PRESETS)}, got {e.preset!r}")

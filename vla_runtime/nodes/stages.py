@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_QUERY_RING = "vla_query"
 MAX_STATE = 64
+EPISODE_CALLS = 100_000   # calls an episode may have under one noise seed (``episode_noise_key``)
 
 
 # ---------------------------------------------------------------- notes (what ROS messages carry)
@@ -55,6 +56,20 @@ class PrefixRequestNote:
     state: tuple[float, ...]
     task: str
     episode: int = 0        # a new number starts a new episode (the cache manager resets)
+    noise_key: int | None = None   # the denoising noise stream of this call (None: ``request_seq``)
+
+    @property
+    def noise(self) -> int:
+        return self.request_seq if self.noise_key is None else self.noise_key
+
+
+def episode_noise_key(episode_seed: int, call: int) -> int:
+    """Noise stream of call ``call`` of the episode seeded ``episode_seed``: two pipelines (dense
+    and cached) that run the same seeded episode draw the same noise at the same call, whatever
+    episodes each ran before, so their success can be compared seed by seed."""
+    if episode_seed < 0 or not 0 <= call < EPISODE_CALLS:
+        raise ValueError(f"episode seed must be >= 0 and call in [0, {EPISODE_CALLS}), got {episode_seed}, {call}")
+    return episode_seed * EPISODE_CALLS + call
 
 
 @dataclass(frozen=True)
@@ -119,7 +134,8 @@ def cache_config(spec: CacheSpec, repo: ReferenceRepository | None) -> CacheConf
     repository (its masks were built for them)."""
     if repo is None:
         return None
-    return CacheConfig(rho_p=spec.rho_p, rho_n=repo.meta.rho_n, groups=tuple(tuple(g) for g in repo.meta.mask_groups))
+    return CacheConfig(rho_p=spec.rho_p, rho_n=repo.meta.rho_n, groups=tuple(tuple(g) for g in repo.meta.mask_groups),
+                       context_cache=spec.context_cache, action_cache=spec.action_cache)
 
 
 def manager_config(spec: CacheSpec, repo: ReferenceRepository, arm_slices: tuple[tuple[int, int], ...] = ()) -> ManagerConfig:
@@ -243,7 +259,7 @@ class VisionStage:
                                        observation_seq=req.request_seq, stamp_ns=time.monotonic_ns(),
                                        reference=reference, ref_at=at, timer=timer)
             slot, seq = writer.commit({**meta.as_dict(), "request_seq": int(req.request_seq),
-                                       "start_tick": int(req.start_tick)})
+                                       "start_tick": int(req.start_tick), "noise_key": int(req.noise)})
         self.last_timer = timer
         return SlotNote(self.prefix.name, slot, seq, self.prefix.layout.tag)
 
@@ -388,6 +404,11 @@ class ChunkResult:
     used_reference: bool     # denoised with a reference's masks (Action Cache)
     meta: PrefixMeta
 
+    @property
+    def cached(self) -> bool:
+        """A reference served this call, in the prefill (Context Cache) or the denoising (Action Cache)."""
+        return self.used_reference or bool(self.meta.context_cache)
+
 
 class PolicyStage:
     """Prefix slots -> action chunks (Action Cache when the slot names a reference)."""
@@ -403,9 +424,10 @@ class PolicyStage:
         self.working_set: WorkingSetReader | None = None
         self.masks_missed = 0
 
-    def generator(self, request_seq: int) -> torch.Generator:
-        """Noise of call n: seed * 1000003 + n (reproducible chunks, whatever process runs them)."""
-        return torch.Generator().manual_seed(self.seed * 1_000_003 + request_seq)
+    def generator(self, noise_key: int) -> torch.Generator:
+        """Noise of the call whose key is n (its ``request_seq`` unless the request names a key):
+        seed * 1000003 + n, so chunks are reproducible whatever process runs them."""
+        return torch.Generator().manual_seed(self.seed * 1_000_003 + noise_key)
 
     def act(self, note: SlotNote) -> ChunkResult | None:
         """Denoise the announced slot; None when it was overwritten before it was read.
@@ -428,7 +450,8 @@ class PolicyStage:
         meta = PrefixMeta.from_dict(info.meta)
         request_seq = int(info.meta["request_seq"])
         masks = self._masks(meta)
-        chunk = self.worker.act(self.slot_buf, meta, generator=self.generator(request_seq), masks=masks)
+        noise_key = int(info.meta.get("noise_key", request_seq))
+        chunk = self.worker.act(self.slot_buf, meta, generator=self.generator(noise_key), masks=masks)
         return ChunkResult(request_seq, int(info.meta["start_tick"]), chunk, self.worker.last_used_masks, meta)
 
     def _masks(self, meta: PrefixMeta) -> Tensor | None:

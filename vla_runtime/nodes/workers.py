@@ -75,6 +75,7 @@ class PrefixMeta:
     stamp_ns: int
     ref_slot: int = -1   # working-set entry the call used (-1: dense); the policy reads its masks
     ref_seq: int = -1
+    context_cache: int = 0   # 1: the prefill reused the reference's FFN outputs (Context Cache)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -176,7 +177,8 @@ class VisionWorker:
         uses_masks = reference is not None and reference.masks is not None
         return PrefixMeta(length=p, valid_len=int(prefix.valid_len[0]), cameras=int(vp.inputs.image_mask.sum()),
                           state_dim=state_t.numel(), observation_seq=observation_seq, stamp_ns=stamp_ns,
-                          ref_slot=ref_at[0] if uses_masks else -1, ref_seq=ref_at[1] if uses_masks else -1)
+                          ref_slot=ref_at[0] if uses_masks else -1, ref_seq=ref_at[1] if uses_masks else -1,
+                          context_cache=int(ffn is not None))
 
     def encode(self, obs: Observation, out: dict[str, Tensor], observation_seq: int, stamp_ns: int,
                timer: PhaseTimer | None = None) -> PrefixMeta:

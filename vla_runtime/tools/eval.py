@@ -13,6 +13,11 @@ repository (so no evaluation seed is ever a reference). Then both modes run the 
 seeds, taking turns episode by episode so that their times are measured side by side; the report
 has success rate, mean policy calls per successful episode, per-phase latency, the speed-up and
 the fallback rate, per task and overall, as JSON, a table and a PNG plot.
+
+Both modes also draw the same denoising noise on a seed (``start_episode(noise_seed=seed)``):
+an episode differs between them only where the cache changed a chunk, so a call that fell back
+to dense is the dense call, and the success difference is read seed by seed (``paired``) with
+its own standard error instead of that of two independent rates.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..cache.builder import BuildConfig, build_repository
+from ..cache.repository import ReferenceRepository
 from ..engine.policy import Pi05Policy
 from ..io.bags import BagTopics, Episode, EpisodeFrame, write_episode_bag
 from ..nodes.pipeline import PipelineSpec, make_pipeline
@@ -39,6 +45,8 @@ from ..sim.metaworld_env import ACTION_DIM, DEFAULT_CAMERAS, DEFAULT_TASKS, Meta
 
 CALL_PERIOD_S = 0.5    # bag time between the recorded calls of a reference episode (a synthetic clock)
 MODES = ("dense", "cached")
+CACHES = ("context", "action")
+DEFAULT_RHO_P, DEFAULT_RHO_N = 0.4, 0.5   # rMuscle's defaults, used when nothing is profiled
 
 
 @dataclass(frozen=True)
@@ -59,8 +67,11 @@ class EvalSpec:
     processes: int = 1
     modes: tuple[str, ...] = MODES
     repository: Path | None = None        # an existing repository (skips the reference phase)
-    rho_p: float = 0.4
-    rho_n: float = 0.5
+    rho_p: float | None = None            # None: profiled when the repository is built here, else 0.4
+    rho_n: float | None = None            # None: profiled (masks of a repository built here), else 0.5
+    profile_episodes: int = 2             # reference episodes per task replayed to profile the ratios
+    tolerance: float = 0.05               # mean relative action deviation the profiled ratios may cost
+    caches: tuple[str, ...] = CACHES      # which halves of the cache the cached mode runs (ablations)
     reference_timeout_s: float = 60.0
     seed: int = 0                         # policy noise seed
     engine: EngineSpec = field(default_factory=EngineSpec)
@@ -76,6 +87,10 @@ class EvalSpec:
             raise ValueError("episodes, n_execute and max_steps must be >= 1")
         if unknown := sorted(set(self.modes) - set(MODES)):
             raise ValueError(f"unknown mode(s) {unknown}; choose from {MODES}")
+        if self.profile_episodes < 0 or not self.tolerance > 0:
+            raise ValueError("profile_episodes must be >= 0 and tolerance > 0")
+        if not self.caches or set(self.caches) - set(CACHES):
+            raise ValueError(f"caches must be a non-empty subset of {CACHES}, got {list(self.caches)}")
         if "cached" in self.modes and self.repository is None and self.reference_episodes < 1:
             raise ValueError("the cached mode needs a repository or reference_episodes >= 1")
         seeds = range(self.eval_seed, self.eval_seed + self.episodes)
@@ -97,6 +112,7 @@ class EpisodeResult:
     dense_reasons: dict[str, int]
     frames: list[EpisodeFrame] | None = None
     start_s: float = 0.0                  # the cache manager preparing the episode before its first call
+    final_state: list[float] = field(default_factory=list)   # robot state at the end (same seed, same run: same state)
 
     def summary(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -112,7 +128,8 @@ def task_harness(spec: EvalSpec, task: str, band: tuple[float, float]) -> MetaWo
 def run_episode(env: MetaWorldTask, pipeline, seed: int, n_execute: int, record: bool = False) -> EpisodeResult:
     """One closed-loop episode: render at each call, execute the chunk's first ``n_execute`` actions."""
     state = env.reset(seed)
-    pipeline.start_episode(env.instruction)   # a robot resetting: the cache manager prepares meanwhile
+    # a robot resetting: the cache manager prepares meanwhile; the noise follows the seed alone
+    pipeline.start_episode(env.instruction, noise_seed=seed)
     res = EpisodeResult(env.cfg.task, seed, False, 0, 0, 0, [], {}, {}, [] if record else None,
                         pipeline.last_episode_start_s)
     done = False
@@ -126,7 +143,7 @@ def run_episode(env: MetaWorldTask, pipeline, seed: int, n_execute: int, record:
         # own process); run in one process it is serial, so it is reported apart, not in the call
         res.call_s.append(time.perf_counter() - t0 - pipeline.last_times.get("upkeep", 0.0))
         res.calls += 1
-        res.cached_calls += int(out.used_reference)
+        res.cached_calls += int(out.cached)
         for k, v in pipeline.last_times.items():
             res.phase_s.setdefault(k, []).append(float(v))
         choice = pipeline.last_choice
@@ -144,12 +161,14 @@ def run_episode(env: MetaWorldTask, pipeline, seed: int, n_execute: int, record:
             if step.done:
                 done = True
                 break
+    res.final_state = [float(x) for x in np.asarray(state).reshape(-1)]
     return res
 
 
-def _pipeline(spec: EvalSpec, mode: str, repository: Path | None, tag: str):
+def _pipeline(spec: EvalSpec, mode: str, repository: Path | None, rho_p: float, tag: str):
     cache = CacheSpec(enabled=mode == "cached", repository=str(repository) if repository else None,
-                      rho_p=spec.rho_p, reference_timeout_s=spec.reference_timeout_s)
+                      rho_p=rho_p, reference_timeout_s=spec.reference_timeout_s,
+                      context_cache="context" in spec.caches, action_cache="action" in spec.caches)
     rings = RingNames.tagged(tag)
     pspec = PipelineSpec(spec.checkpoint, spec.cameras, cache, spec.engine, rings, spec.seed)
     return make_pipeline(pspec, spec.processes)
@@ -161,7 +180,7 @@ def record_references(spec: EvalSpec, log: Callable[[str], None]) -> tuple[list[
     bags: list[Path] = []
     counts: dict[str, int] = {}
     topics = reference_topics(spec)
-    with _pipeline(spec, "dense", None, f"evref{os.getpid()}") as pipeline:
+    with _pipeline(spec, "dense", None, DEFAULT_RHO_P, f"evref{os.getpid()}") as pipeline:
         for task in spec.tasks:
             env = task_harness(spec, task, spec.reference_band)
             try:
@@ -193,17 +212,32 @@ def reference_topics(spec: EvalSpec) -> BagTopics:
 
 
 def build_reference_repository(spec: EvalSpec, log: Callable[[str], None]) -> tuple[Path, dict[str, Any]]:
+    """The repository of the cached mode and the ``rho_p`` to run it at.
+
+    Built here, the ratios are profiled as ``build-cache --profile --adopt-profiled`` does (rMuscle
+    profiles them per model): ``profile_episodes`` reference episodes per task are replayed
+    against the others, dense and cached, and the cheapest grid point whose mean action deviation
+    is within ``tolerance`` is used. The paper's default (0.4, 0.5) suits pi0.5 at full size; a
+    small model can need more neurons. ``rho_p``/``rho_n`` given in the spec are used as they are.
+    """
     if spec.repository is not None:
-        return spec.repository, {"repository": str(spec.repository), "built": False}
+        rho_p = DEFAULT_RHO_P if spec.rho_p is None else spec.rho_p
+        rho_n = ReferenceRepository.open(spec.repository, verify=False).meta.rho_n   # its masks' fraction
+        return spec.repository, {"repository": str(spec.repository), "built": False, "rho_p": rho_p, "rho_n": rho_n}
     bags, counts = record_references(spec, log)
     if not bags:
         raise RuntimeError("the dense policy succeeded in no reference episode: nothing to build a repository from")
     policy = Pi05Policy.from_checkpoint(spec.checkpoint, camera_names=list(spec.cameras))
     repo = spec.out / "repository"
+    profile = spec.profile_episodes if spec.rho_n is None or spec.rho_p is None else 0
     summary = build_repository(policy, policy.checkpoint_hash, bags, repo, reference_topics(spec), CALL_PERIOD_S,
-                               BuildConfig(rho_n=spec.rho_n), log=log)
+                               BuildConfig(rho_n=DEFAULT_RHO_N if spec.rho_n is None else spec.rho_n),
+                               profile_held_out=profile, tolerance=spec.tolerance, adopt_profiled=spec.rho_n is None,
+                               log=log)
+    rho_p = spec.rho_p if spec.rho_p is not None else summary.rho_p if summary.rho_p is not None else DEFAULT_RHO_P
     return repo, {"repository": str(repo), "built": True, "reference_successes": counts,
-                  "reference_episodes_per_task": spec.reference_episodes, "calls": summary.calls}
+                  "reference_episodes_per_task": spec.reference_episodes, "calls": summary.calls,
+                  "rho_p": rho_p, "rho_n": summary.rho_n, "profile": summary.profile}
 
 
 def _mean(xs: list[float]) -> float | None:
@@ -232,7 +266,9 @@ def evaluate(spec: EvalSpec, log: Callable[[str], None] = print) -> dict[str, An
     report: dict[str, Any] = {"checkpoint": str(spec.checkpoint), "tasks": list(spec.tasks),
                               "episodes_per_task": spec.episodes, "eval_seeds": [spec.eval_seed, spec.eval_seed + spec.episodes],
                               "pose_band": list(spec.pose_band), "reference_band": list(spec.reference_band),
-                              "n_execute": spec.n_execute, "processes": spec.processes, "modes": {}}
+                              "n_execute": spec.n_execute, "max_steps": spec.max_steps, "processes": spec.processes,
+                              "caches": list(spec.caches),
+                              "modes": {}}
     repository = None
     if "cached" in spec.modes:
         repository, report["repository"] = build_reference_repository(spec, log)
@@ -240,7 +276,8 @@ def evaluate(spec: EvalSpec, log: Callable[[str], None] = print) -> dict[str, An
     # Every mode runs each (task, seed) in turn, one right after the other, so a load that comes
     # and goes on the machine slows both modes alike and the speed ratio stays side by side.
     with contextlib.ExitStack() as stack:
-        pipelines = {m: stack.enter_context(_pipeline(spec, m, repository, f"ev{m}{os.getpid()}"))
+        rho_p = report.get("repository", {}).get("rho_p", DEFAULT_RHO_P)
+        pipelines = {m: stack.enter_context(_pipeline(spec, m, repository, rho_p, f"ev{m}{os.getpid()}"))
                      for m in spec.modes}
         for task in spec.tasks:
             env = task_harness(spec, task, spec.pose_band)
@@ -262,6 +299,10 @@ def evaluate(spec: EvalSpec, log: Callable[[str], None] = print) -> dict[str, An
                                               for t in spec.tasks}}
     if {"dense", "cached"} <= set(spec.modes):
         report["comparison"] = compare(report["modes"]["dense"], report["modes"]["cached"], spec.tasks)
+        report["comparison"]["paired"] = {
+            "overall": paired(per_episode["dense"], per_episode["cached"]),
+            "per_task": {t: paired([r for r in per_episode["dense"] if r.task == t],
+                                   [r for r in per_episode["cached"] if r.task == t]) for t in spec.tasks}}
     report["wall_s"] = time.perf_counter() - t0
     report["episodes"] = {m: [r.summary() for r in rs] for m, rs in per_episode.items()}
     (spec.out / "eval.json").write_text(json.dumps(report, indent=2, default=float))
@@ -286,6 +327,30 @@ def compare(dense: dict, cached: dict, tasks: tuple[str, ...]) -> dict[str, Any]
             "per_task_success_points": {t: 100 * ((cached["per_task"][t]["success_rate"] or 0)
                                                   - (dense["per_task"][t]["success_rate"] or 0)) for t in tasks},
             "fallback_rate": c["fallback_rate"]}
+
+
+def paired(dense: list[EpisodeResult], cached: list[EpisodeResult]) -> dict[str, Any]:
+    """Success of the two modes seed by seed: which episodes only one mode solved, and the
+    cached-minus-dense difference with the standard error of a paired difference (the pose and
+    the noise are shared, so only the discordant seeds carry information about the cache)."""
+    by_key = {(r.task, r.seed): r for r in dense}
+    pairs = [(by_key[(c.task, c.seed)].success, c.success) for c in cached if (c.task, c.seed) in by_key]
+    n = len(pairs)
+    dense_only = sum(d and not c for d, c in pairs)
+    cached_only = sum(c and not d for d, c in pairs)
+    diff = (cached_only - dense_only) / n if n else None
+    se = None
+    if n > 1:   # sample variance of the per-seed differences (each -1, 0 or +1)
+        var = ((dense_only + cached_only) / n - diff ** 2) * n / (n - 1)
+        se = (max(var, 0.0) / n) ** 0.5
+    return {"pairs": n, "both": sum(d and c for d, c in pairs), "dense_only": dense_only, "cached_only": cached_only,
+            "neither": sum(not d and not c for d, c in pairs),
+            "identical_episodes": sum(by_key[(c.task, c.seed)].steps == c.steps
+                                      and by_key[(c.task, c.seed)].final_state == c.final_state
+                                      for c in cached if (c.task, c.seed) in by_key),
+            "difference_points": None if diff is None else 100 * diff,
+            "standard_error_points": None if se is None else 100 * se,
+            "interval95_points": None if se is None else [100 * (diff - 1.96 * se), 100 * (diff + 1.96 * se)]}
 
 
 def _fmt(x: float | None, pattern: str = "{:.2f}") -> str:
@@ -320,12 +385,33 @@ def table(report: dict[str, Any]) -> str:
                  f"{_fmt(c['cached_overheads_s'].get('episode_start') and 1e3 * c['cached_overheads_s']['episode_start'], '{:.0f}')} ms"
                  f" per episode, window upkeep {_fmt(c['cached_overheads_s'].get('upkeep') and 1e3 * c['cached_overheads_s']['upkeep'], '{:.0f}')}"
                  " ms per call (overlapping the chunk's execution on a robot)\n")
+        repo = report.get("repository", {})
+        if "rho_p" in repo:
+            how = "profiled on the reference episodes" if repo.get("profile") else "as given"
+            text += f"\nratios of the cached mode: rho_p {repo['rho_p']:g}, rho_n {repo['rho_n']:g} ({how})\n"
+        if (pr := c.get("paired")) is not None:
+            text += "\n" + paired_table(report["tasks"], pr)
     refs = report.get("repository", {}).get("reference_successes")
     if refs is not None and (missing := [t for t in report["tasks"] if not refs.get(t)]):
         one = len(missing) == 1
         text += (f"\nno reference episode succeeded for {', '.join(missing)}: the repository has nothing for "
                  f"{'it' if one else 'them'}, so {'its' if one else 'their'} cached episodes ran dense (fallback)\n")
     return text
+
+
+def paired_table(tasks: list[str], pr: dict[str, Any]) -> str:
+    """The seed-by-seed comparison: same pose, same noise, so a difference is the cache's doing
+    (or chance once the trajectories part)."""
+    rows = ["| task | both | dense only | cached only | neither | identical episodes | cached - dense (95 % interval) |",
+            "|---|---|---|---|---|---|---|"]
+    for task in [*tasks, "overall"]:
+        a = pr["overall"] if task == "overall" else pr["per_task"][task]
+        ci = a["interval95_points"]
+        diff = _fmt(a["difference_points"], "{:+.1f}") + ("" if ci is None else f" ({ci[0]:+.1f} to {ci[1]:+.1f})")
+        rows.append(f"| {task} | {a['both']} | {a['dense_only']} | {a['cached_only']} | {a['neither']} | "
+                    f"{a['identical_episodes']}/{a['pairs']} | {diff} |")
+    return ("seed by seed (both modes drew the same noise on each seed; an identical episode took the same "
+            "steps to the same final state):\n\n" + "\n".join(rows) + "\n")
 
 
 def plot(report: dict[str, Any], path: Path) -> None:

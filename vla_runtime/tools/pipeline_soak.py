@@ -127,7 +127,7 @@ def run_pipeline_soak(work: str | Path, calls: int = 200, warmup: int = 20, samp
             res = pipeline.call(frame.images, np.asarray(frame.state), ep.task, start_tick=i)
             stats["calls"] += 1
             stats["nan_calls"] += int(not np.isfinite(res.chunk).all())
-            stats["cached_calls"] += int(res.used_reference)
+            stats["cached_calls"] += int(res.cached)
             if on_sample is not None and every and (i - i0 + 1) % every == 0:
                 on_sample(i - i0 + 1)
         return i0 + n

@@ -84,7 +84,7 @@ def run_pipeline(spec: RunSpec, log: Callable[[str], None] = print) -> dict[str,
             res = pipeline.call(frame.images, np.asarray(frame.state), episode.instruction_at(i), start_tick=i)
             wall = time.perf_counter() - t1
             choice = pipeline.last_choice
-            calls.append({"call_id": res.request_seq, "t": frame.t, "source": "cached" if res.used_reference else "dense",
+            calls.append({"call_id": res.request_seq, "t": frame.t, "source": "cached" if res.cached else "dense",
                           "reference": f"{choice.episode}:{choice.index}" if choice is not None and choice.found else None,
                           "dense_reason": choice.reason if choice is not None and not choice.found else None,
                           "seconds": {**{k: float(v) for k, v in pipeline.last_times.items()}, "call": wall},
