@@ -167,3 +167,4 @@ def test_a_repository_built_by_eval_runs_at_profiled_ratios_unless_given(setup, 
         assert chosen["mean_deviation"] <= spec.tolerance
     assert ReferenceRepository.open(tmp_path / "out" / "repository", verify=False).meta.rho_n == repo["rho_n"]
     assert ("profiled on the reference episodes" in (tmp_path / "out" / "eval.md").read_text()) != given
+    assert repo["ratios_from"] == ("given" if given else "profiled on the reference episodes")

@@ -223,7 +223,8 @@ def build_reference_repository(spec: EvalSpec, log: Callable[[str], None]) -> tu
     if spec.repository is not None:
         rho_p = DEFAULT_RHO_P if spec.rho_p is None else spec.rho_p
         rho_n = ReferenceRepository.open(spec.repository, verify=False).meta.rho_n   # its masks' fraction
-        return spec.repository, {"repository": str(spec.repository), "built": False, "rho_p": rho_p, "rho_n": rho_n}
+        return spec.repository, {"repository": str(spec.repository), "built": False, "rho_p": rho_p, "rho_n": rho_n,
+                                 "ratios_from": "the repository's masks, rho_p " + ("given" if spec.rho_p else "default")}
     bags, counts = record_references(spec, log)
     if not bags:
         raise RuntimeError("the dense policy succeeded in no reference episode: nothing to build a repository from")
@@ -235,9 +236,11 @@ def build_reference_repository(spec: EvalSpec, log: Callable[[str], None]) -> tu
                                profile_held_out=profile, tolerance=spec.tolerance, adopt_profiled=spec.rho_n is None,
                                log=log)
     rho_p = spec.rho_p if spec.rho_p is not None else summary.rho_p if summary.rho_p is not None else DEFAULT_RHO_P
+    source = ("given" if not profile else "profiled on the reference episodes" if summary.profile
+              else "defaults: too few reference episodes per task to profile")
     return repo, {"repository": str(repo), "built": True, "reference_successes": counts,
                   "reference_episodes_per_task": spec.reference_episodes, "calls": summary.calls,
-                  "rho_p": rho_p, "rho_n": summary.rho_n, "profile": summary.profile}
+                  "rho_p": rho_p, "rho_n": summary.rho_n, "profile": summary.profile, "ratios_from": source}
 
 
 def _mean(xs: list[float]) -> float | None:
@@ -387,8 +390,7 @@ def table(report: dict[str, Any]) -> str:
                  " ms per call (overlapping the chunk's execution on a robot)\n")
         repo = report.get("repository", {})
         if "rho_p" in repo:
-            how = "profiled on the reference episodes" if repo.get("profile") else "as given"
-            text += f"\nratios of the cached mode: rho_p {repo['rho_p']:g}, rho_n {repo['rho_n']:g} ({how})\n"
+            text += f"\nratios of the cached mode: rho_p {repo['rho_p']:g}, rho_n {repo['rho_n']:g} ({repo['ratios_from']})\n"
         if (pr := c.get("paired")) is not None:
             text += "\n" + paired_table(report["tasks"], pr)
     refs = report.get("repository", {}).get("reference_successes")
