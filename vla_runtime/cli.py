@@ -174,7 +174,7 @@ def _eval(args: argparse.Namespace) -> int:
                     reference_band=band(args.reference_band), n_execute=args.n_execute, max_steps=args.max_steps,
                     processes=args.processes, modes=tuple(args.modes.split(",")), repository=args.repository,
                     rho_p=args.rho_p, rho_n=args.rho_n, profile_episodes=args.profile_episodes,
-                    tolerance=args.tolerance, caches=tuple(args.caches.split(",")),
+                    tolerance=args.tolerance, caches=tuple(args.caches.split(",")), seed=args.seed,
                     engine=EngineSpec(threads=args.threads))
     report = evaluate(spec, log=_log)
     from pathlib import Path
@@ -353,7 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--n-execute", dest="n_execute", type=int, default=4, help="actions executed per policy call")
     ev.add_argument("--max-steps", dest="max_steps", type=int, default=300, help="environment steps per episode")
     ev.add_argument("--processes", type=int, default=1, choices=[1, 3], help="pipeline in 1 process or 3")
-    ev.add_argument("--modes", default="dense,cached", help="comma-separated: dense, cached")
+    ev.add_argument("--modes", default="dense,cached",
+                    help="comma-separated: dense, cached, resampled (the dense policy on other noise: how many "
+                         "outcomes other noise alone changes, the scale for cached vs dense)")
     ev.add_argument("--repository", default=None, help="an existing reference repository (skips recording references)")
     ev.add_argument("--rho-p", dest="rho_p", type=float, default=None,
                     help="Context Cache recompute fraction (default: profiled when the repository is built here, "
@@ -367,6 +369,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="mean relative action deviation the profiled ratios may cost")
     ev.add_argument("--caches", default="context,action",
                     help="comma-separated halves of the cache the cached mode runs: context, action (ablations)")
+    ev.add_argument("--seed", type=int, default=0,
+                    help="policy noise seed (both modes draw the same noise on an episode seed; another --seed "
+                         "draws other noise)")
     ev.add_argument("--threads", type=int, default=None, help="torch threads per pipeline process")
     ev.set_defaults(func=_eval)
 

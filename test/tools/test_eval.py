@@ -76,7 +76,7 @@ def test_eval_reports_consistent_numbers(setup):
     assert report["modes"]["cached"]["overall"]["cached_calls"] >= 1       # the demo's pose is near enough
     assert "retrieve" in report["modes"]["cached"]["overall"]["mean_phase_s"]
     pr = report["comparison"]["paired"]["overall"]
-    assert pr["pairs"] == 2 and pr["both"] + pr["dense_only"] + pr["cached_only"] + pr["neither"] == 2
+    assert pr["pairs"] == 2 and pr["both"] + pr["dense_only"] + pr["other_only"] + pr["neither"] == 2
     assert pr["difference_points"] == pytest.approx(report["comparison"]["success_points"])   # same seeds
     assert report["comparison"]["paired"]["per_task"][TASK]["pairs"] == 2
     table = (spec.out / "eval.md").read_text()
@@ -95,18 +95,24 @@ def test_eval_refuses_overlapping_seeds(setup, tmp_path):
 
 def test_a_cached_run_with_nothing_for_the_task_repeats_the_dense_run_seed_for_seed(setup):
     """Both modes draw the same noise on a seed: where the repository has nothing (another task),
-    every cached call falls back to dense and each episode is the dense one, step for step."""
+    every cached call falls back to dense and each episode is the dense one, step for step. The
+    resampled mode (the dense policy on other noise) is the scale: its episodes differ."""
     other = "drawer-close-v3"
     spec = EvalSpec(checkpoint=setup["checkpoint"], out=setup["root"] / "out_other", tasks=(other,), episodes=2,
-                    n_execute=4, max_steps=12, image_size=32, repository=setup["repo"])
+                    n_execute=4, max_steps=12, image_size=32, repository=setup["repo"],
+                    modes=("dense", "cached", "resampled"))
     report = evaluate(spec, log=lambda m: None)
     assert report["modes"]["cached"]["overall"]["cached_calls"] == 0
     assert report["modes"]["cached"]["overall"]["fallback_rate"] == 1.0
     pr = report["comparison"]["paired"]["overall"]
-    assert pr["identical_episodes"] == pr["pairs"] == 2 and pr["dense_only"] == pr["cached_only"] == 0
+    assert pr["identical_episodes"] == pr["pairs"] == 2 and pr["dense_only"] == pr["other_only"] == 0
     for d, c in zip(report["episodes"]["dense"], report["episodes"]["cached"]):
         assert d["seed"] == c["seed"] and d["steps"] == c["steps"] and len(d["final_state"]) == 4
         assert d["final_state"] == c["final_state"]
+    baseline = report["noise_baseline"]["overall"]
+    assert baseline["pairs"] == 2 and baseline["identical_episodes"] < 2
+    assert report["noise_baseline"]["per_task"][other]["pairs"] == 2
+    assert "| task | both | dense only | resampled only |" in (spec.out / "eval.md").read_text()
 
 
 def _episode(task: str, seed: int, success: bool) -> EpisodeResult:
@@ -118,7 +124,7 @@ def test_paired_difference_counts_discordant_seeds_and_its_standard_error():
     dense = [_episode("t", i, d) for i, (d, _) in enumerate(outcomes)]
     cached = [_episode("t", i, c) for i, (_, c) in reversed(list(enumerate(outcomes)))]   # matched by seed
     pr = paired(dense, cached)
-    assert (pr["pairs"], pr["both"], pr["dense_only"], pr["cached_only"], pr["neither"]) == (10, 5, 3, 1, 1)
+    assert (pr["pairs"], pr["both"], pr["dense_only"], pr["other_only"], pr["neither"]) == (10, 5, 3, 1, 1)
     diffs = np.array([int(c) - int(d) for d, c in outcomes], dtype=float)
     assert pr["difference_points"] == pytest.approx(100 * diffs.mean())
     assert pr["standard_error_points"] == pytest.approx(100 * diffs.std(ddof=1) / np.sqrt(10))

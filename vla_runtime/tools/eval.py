@@ -44,7 +44,7 @@ from ..nodes.stages import RingNames
 from ..sim.metaworld_env import ACTION_DIM, DEFAULT_CAMERAS, DEFAULT_TASKS, MetaWorldConfig, MetaWorldTask
 
 CALL_PERIOD_S = 0.5    # bag time between the recorded calls of a reference episode (a synthetic clock)
-MODES = ("dense", "cached")
+MODES = ("dense", "cached", "resampled")   # resampled: the dense policy drawing other noise (a baseline)
 CACHES = ("context", "action")
 DEFAULT_RHO_P, DEFAULT_RHO_N = 0.4, 0.5   # rMuscle's defaults, used when nothing is profiled
 
@@ -65,7 +65,7 @@ class EvalSpec:
     n_execute: int = 4                    # actions executed per policy call
     max_steps: int = 300
     processes: int = 1
-    modes: tuple[str, ...] = MODES
+    modes: tuple[str, ...] = ("dense", "cached")
     repository: Path | None = None        # an existing repository (skips the reference phase)
     rho_p: float | None = None            # None: profiled when the repository is built here, else 0.4
     rho_n: float | None = None            # None: profiled (masks of a repository built here), else 0.5
@@ -170,7 +170,8 @@ def _pipeline(spec: EvalSpec, mode: str, repository: Path | None, rho_p: float, 
                       rho_p=rho_p, reference_timeout_s=spec.reference_timeout_s,
                       context_cache="context" in spec.caches, action_cache="action" in spec.caches)
     rings = RingNames.tagged(tag)
-    pspec = PipelineSpec(spec.checkpoint, spec.cameras, cache, spec.engine, rings, spec.seed)
+    seed = spec.seed + 1 if mode == "resampled" else spec.seed
+    pspec = PipelineSpec(spec.checkpoint, spec.cameras, cache, spec.engine, rings, seed)
     return make_pipeline(pspec, spec.processes)
 
 
@@ -302,10 +303,9 @@ def evaluate(spec: EvalSpec, log: Callable[[str], None] = print) -> dict[str, An
                                               for t in spec.tasks}}
     if {"dense", "cached"} <= set(spec.modes):
         report["comparison"] = compare(report["modes"]["dense"], report["modes"]["cached"], spec.tasks)
-        report["comparison"]["paired"] = {
-            "overall": paired(per_episode["dense"], per_episode["cached"]),
-            "per_task": {t: paired([r for r in per_episode["dense"] if r.task == t],
-                                   [r for r in per_episode["cached"] if r.task == t]) for t in spec.tasks}}
+        report["comparison"]["paired"] = paired_by_task(per_episode["dense"], per_episode["cached"], spec.tasks)
+    if {"dense", "resampled"} <= set(spec.modes):   # how much other noise alone changes, for scale
+        report["noise_baseline"] = paired_by_task(per_episode["dense"], per_episode["resampled"], spec.tasks)
     report["wall_s"] = time.perf_counter() - t0
     report["episodes"] = {m: [r.summary() for r in rs] for m, rs in per_episode.items()}
     (spec.out / "eval.json").write_text(json.dumps(report, indent=2, default=float))
@@ -332,28 +332,32 @@ def compare(dense: dict, cached: dict, tasks: tuple[str, ...]) -> dict[str, Any]
             "fallback_rate": c["fallback_rate"]}
 
 
-def paired(dense: list[EpisodeResult], cached: list[EpisodeResult]) -> dict[str, Any]:
-    """Success of the two modes seed by seed: which episodes only one mode solved, and the
-    cached-minus-dense difference with the standard error of a paired difference (the pose and
-    the noise are shared, so only the discordant seeds carry information about the cache)."""
+def paired(dense: list[EpisodeResult], other: list[EpisodeResult]) -> dict[str, Any]:
+    """Success of dense and another mode seed by seed: which episodes only one of them solved, and
+    the other-minus-dense difference with the standard error of a paired difference (the pose and,
+    for the cache, the noise are shared, so only the discordant seeds carry information)."""
     by_key = {(r.task, r.seed): r for r in dense}
-    pairs = [(by_key[(c.task, c.seed)].success, c.success) for c in cached if (c.task, c.seed) in by_key]
+    matched = [(by_key[(o.task, o.seed)], o) for o in other if (o.task, o.seed) in by_key]
+    pairs = [(d.success, o.success) for d, o in matched]
     n = len(pairs)
-    dense_only = sum(d and not c for d, c in pairs)
-    cached_only = sum(c and not d for d, c in pairs)
-    diff = (cached_only - dense_only) / n if n else None
+    dense_only = sum(d and not o for d, o in pairs)
+    other_only = sum(o and not d for d, o in pairs)
+    diff = (other_only - dense_only) / n if n else None
     se = None
     if n > 1:   # sample variance of the per-seed differences (each -1, 0 or +1)
-        var = ((dense_only + cached_only) / n - diff ** 2) * n / (n - 1)
+        var = ((dense_only + other_only) / n - diff ** 2) * n / (n - 1)
         se = (max(var, 0.0) / n) ** 0.5
-    return {"pairs": n, "both": sum(d and c for d, c in pairs), "dense_only": dense_only, "cached_only": cached_only,
-            "neither": sum(not d and not c for d, c in pairs),
-            "identical_episodes": sum(by_key[(c.task, c.seed)].steps == c.steps
-                                      and by_key[(c.task, c.seed)].final_state == c.final_state
-                                      for c in cached if (c.task, c.seed) in by_key),
+    return {"pairs": n, "both": sum(d and o for d, o in pairs), "dense_only": dense_only, "other_only": other_only,
+            "neither": sum(not d and not o for d, o in pairs),
+            "identical_episodes": sum(d.steps == o.steps and d.final_state == o.final_state for d, o in matched),
             "difference_points": None if diff is None else 100 * diff,
             "standard_error_points": None if se is None else 100 * se,
             "interval95_points": None if se is None else [100 * (diff - 1.96 * se), 100 * (diff + 1.96 * se)]}
+
+
+def paired_by_task(dense: list[EpisodeResult], other: list[EpisodeResult], tasks: tuple[str, ...]) -> dict[str, Any]:
+    return {"overall": paired(dense, other),
+            "per_task": {t: paired([r for r in dense if r.task == t], [r for r in other if r.task == t]) for t in tasks}}
 
 
 def _fmt(x: float | None, pattern: str = "{:.2f}") -> str:
@@ -392,7 +396,12 @@ def table(report: dict[str, Any]) -> str:
         if "rho_p" in repo:
             text += f"\nratios of the cached mode: rho_p {repo['rho_p']:g}, rho_n {repo['rho_n']:g} ({repo['ratios_from']})\n"
         if (pr := c.get("paired")) is not None:
-            text += "\n" + paired_table(report["tasks"], pr)
+            text += ("\nseed by seed (both modes drew the same noise on each seed; an identical episode took "
+                     "the same steps to the same final state):\n\n" + paired_table(report["tasks"], pr, "cached"))
+    if (nb := report.get("noise_baseline")) is not None:
+        text += ("\nfor scale, the dense policy against itself drawing other noise (mode resampled, seed "
+                 "+1), seed by seed: how many outcomes other noise alone changes\n\n"
+                 + paired_table(report["tasks"], nb, "resampled"))
     refs = report.get("repository", {}).get("reference_successes")
     if refs is not None and (missing := [t for t in report["tasks"] if not refs.get(t)]):
         one = len(missing) == 1
@@ -401,19 +410,18 @@ def table(report: dict[str, Any]) -> str:
     return text
 
 
-def paired_table(tasks: list[str], pr: dict[str, Any]) -> str:
-    """The seed-by-seed comparison: same pose, same noise, so a difference is the cache's doing
-    (or chance once the trajectories part)."""
-    rows = ["| task | both | dense only | cached only | neither | identical episodes | cached - dense (95 % interval) |",
+def paired_table(tasks: list[str], pr: dict[str, Any], other: str) -> str:
+    """Dense against ``other`` seed by seed: same pose and, for the cache, same noise, so a
+    difference is the cache's doing (or chance once the trajectories part)."""
+    rows = [f"| task | both | dense only | {other} only | neither | identical episodes | {other} - dense (95 % interval) |",
             "|---|---|---|---|---|---|---|"]
     for task in [*tasks, "overall"]:
         a = pr["overall"] if task == "overall" else pr["per_task"][task]
         ci = a["interval95_points"]
         diff = _fmt(a["difference_points"], "{:+.1f}") + ("" if ci is None else f" ({ci[0]:+.1f} to {ci[1]:+.1f})")
-        rows.append(f"| {task} | {a['both']} | {a['dense_only']} | {a['cached_only']} | {a['neither']} | "
+        rows.append(f"| {task} | {a['both']} | {a['dense_only']} | {a['other_only']} | {a['neither']} | "
                     f"{a['identical_episodes']}/{a['pairs']} | {diff} |")
-    return ("seed by seed (both modes drew the same noise on each seed; an identical episode took the same "
-            "steps to the same final state):\n\n" + "\n".join(rows) + "\n")
+    return "\n".join(rows) + "\n"
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
