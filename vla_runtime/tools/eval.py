@@ -456,7 +456,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
     ax2.set_ylim(0, 1.25 * max(bottom.max(), 1e-3))
     ax2.set_ylabel("mean ms per policy call")
     ax2.legend()
-    fig.suptitle(f"closed loop, {report['episodes_per_task']} episodes per task, same seeds and noise")
+    noise = "; dense and cached on the same noise" if "cached" in modes else ""
+    fig.suptitle(f"closed loop, {report['episodes_per_task']} episodes per task, same seeds{noise}")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
