@@ -185,6 +185,19 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval_pool(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .tools.eval import pool, pool_table
+
+    pooled = pool([Path(r) for r in args.runs], [Path(r) for r in args.other] if args.other else None,
+                  args.other_mode)
+    print(pool_table(pooled))
+    if args.out:
+        Path(args.out).write_text(json.dumps(pooled, indent=2, default=float))
+    return 0
+
+
 def _aloha_sim(args: argparse.Namespace) -> int:
     from .nodes.profile import EngineSpec
     from .tools.aloha_sim import AlohaRunSpec, run_aloha
@@ -374,6 +387,16 @@ def build_parser() -> argparse.ArgumentParser:
                          "draws other noise)")
     ev.add_argument("--threads", type=int, default=None, help="torch threads per pipeline process")
     ev.set_defaults(func=_eval)
+
+    ep = sub.add_parser("eval-pool", help="dense against cached (or another mode) seed by seed over several eval "
+                                          "runs of one checkpoint: counts and the paired difference with its interval")
+    ep.add_argument("runs", nargs="+", help="eval output folders (their dense episodes)")
+    ep.add_argument("--other", nargs="+", default=None,
+                    help="folders of the other side (default: the same runs)")
+    ep.add_argument("--other-mode", dest="other_mode", default="cached", choices=["cached", "dense", "resampled"],
+                    help="which episodes of the other side")
+    ep.add_argument("--out", default=None, help="write the pooled comparison as JSON here")
+    ep.set_defaults(func=_eval_pool)
 
     al = sub.add_parser("aloha-sim", help="the ALOHA profile in closed loop on gym-aloha: cameras, 14-dim actions, "
                                           "safety and per-call latency against the chunk's duration (JSON)")

@@ -21,7 +21,7 @@ from vla_runtime.models.config import preset
 from vla_runtime.sim.metaworld_env import DEFAULT_CAMERAS, TASK_INSTRUCTIONS, MetaWorldConfig, MetaWorldTask
 from vla_runtime.tools.demo import write_random_checkpoint
 from vla_runtime.tools import eval as eval_tool
-from vla_runtime.tools.eval import CALL_PERIOD_S, EpisodeResult, EvalSpec, evaluate, paired, table as eval_table
+from vla_runtime.tools.eval import CALL_PERIOD_S, EpisodeResult, EvalSpec, evaluate, paired, pool, table as eval_table
 from vla_runtime.tools.metaworld_demos import ACTION_TOPIC, bag_topics, record_episode
 
 TASK = "button-press-topdown-v3"
@@ -174,3 +174,37 @@ def test_a_repository_built_by_eval_runs_at_profiled_ratios_unless_given(setup, 
     assert ReferenceRepository.open(tmp_path / "out" / "repository", verify=False).meta.rho_n == repo["rho_n"]
     assert ("profiled on the reference episodes" in (tmp_path / "out" / "eval.md").read_text()) != given
     assert repo["ratios_from"] == ("given" if given else "profiled on the reference episodes")
+
+
+def test_eval_pool_pairs_the_seeds_of_several_runs_once_each(setup, tmp_path, capsys):
+    """``eval-pool``: runs on other seeds pool seed by seed (counts add up, each seed once);
+    dense of one run against dense of another is the noise scale; a seed pooled twice or
+    another checkpoint is refused."""
+    from vla_runtime.cli import main as cli_main
+
+    runs = []
+    for first in (200_000, 200_001):   # two runs of one seed each, as extra seeds run side by side
+        spec = EvalSpec(checkpoint=setup["checkpoint"], out=tmp_path / f"run{first}", tasks=(TASK,), episodes=1,
+                        eval_seed=first, n_execute=4, max_steps=8, image_size=32, repository=setup["repo"])
+        evaluate(spec, log=lambda m: None)
+        runs.append(spec.out)
+    pooled = pool(runs)
+    reports = [json.loads((r / "eval.json").read_text()) for r in runs]
+    assert pooled["paired"]["overall"]["pairs"] == 2
+    assert pooled["dense"]["successes"] == sum(r["modes"]["dense"]["overall"]["successes"] for r in reports)
+    assert pooled["other"]["successes"] == sum(r["modes"]["cached"]["overall"]["successes"] for r in reports)
+    across = pool([runs[0]], [runs[0]], other_mode="dense")      # a run against itself: every episode identical
+    assert across["paired"]["overall"]["identical_episodes"] == 1
+    with pytest.raises(ValueError, match="appear twice"):
+        pool([runs[0], runs[0]])
+    with pytest.raises(ValueError, match="no 'resampled' episodes"):
+        pool(runs, other_mode="resampled")
+    other = json.loads((runs[1] / "eval.json").read_text())
+    other["checkpoint"] = "/elsewhere"
+    (tmp_path / "moved").mkdir()
+    (tmp_path / "moved" / "eval.json").write_text(json.dumps(other))
+    with pytest.raises(ValueError, match="different checkpoints"):
+        pool([runs[0], tmp_path / "moved"])
+    assert cli_main(["eval-pool", *map(str, runs), "--out", str(tmp_path / "pool.json")]) == 0
+    assert "| overall |" in capsys.readouterr().out
+    assert json.loads((tmp_path / "pool.json").read_text())["paired"]["overall"]["pairs"] == 2

@@ -360,6 +360,52 @@ def paired_by_task(dense: list[EpisodeResult], other: list[EpisodeResult], tasks
             "per_task": {t: paired([r for r in dense if r.task == t], [r for r in other if r.task == t]) for t in tasks}}
 
 
+def load_episodes(run: Path, mode: str) -> tuple[dict[str, Any], list[EpisodeResult]]:
+    """An ``eval`` run's report and its episodes of ``mode``, read back from ``eval.json``."""
+    path = Path(run) / "eval.json"
+    if not path.is_file():
+        raise ValueError(f"{run}: no eval.json (not an eval output folder)")
+    report = json.loads(path.read_text())
+    if mode not in report.get("episodes", {}):
+        raise ValueError(f"{run}: no {mode!r} episodes (modes run: {sorted(report.get('episodes', {}))})")
+    names = {f.name for f in dataclasses.fields(EpisodeResult)}
+    return report, [EpisodeResult(**{k: v for k, v in e.items() if k in names}) for e in report["episodes"][mode]]
+
+
+def pool(dense_runs: list[Path], other_runs: list[Path] | None = None, other_mode: str = "cached") -> dict[str, Any]:
+    """Dense against another mode seed by seed over several ``eval`` runs of one checkpoint, e.g.
+    more seeds run side by side (``--eval-seed``), or dense on other noise (``--seed 1``, mode
+    dense) as the scale. ``other_runs`` defaults to the dense runs themselves."""
+    def gather(runs: list[Path], mode: str) -> tuple[set[str], list[str], list[EpisodeResult]]:
+        checkpoints, tasks, episodes = set(), [], []
+        for run in runs:
+            report, eps = load_episodes(run, mode)
+            checkpoints.add(report["checkpoint"])
+            tasks += [t for t in report["tasks"] if t not in tasks]
+            episodes += eps
+        keys = [(e.task, e.seed) for e in episodes]
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"{mode} episodes of the same task and seed appear twice: each seed may be pooled once")
+        return checkpoints, tasks, episodes
+
+    if not dense_runs:
+        raise ValueError("at least one eval run is needed")
+    ck_d, tasks, dense = gather(dense_runs, "dense")
+    ck_o, _, other = gather(other_runs or dense_runs, other_mode)
+    if len(ck_d | ck_o) != 1:
+        raise ValueError(f"the runs evaluated different checkpoints {sorted(ck_d | ck_o)}: not comparable")
+    return {"checkpoint": ck_d.pop(), "tasks": tasks, "other_mode": other_mode,
+            "dense": {"episodes": len(dense), "successes": sum(e.success for e in dense)},
+            "other": {"episodes": len(other), "successes": sum(e.success for e in other)},
+            "paired": paired_by_task(dense, other, tuple(tasks))}
+
+
+def pool_table(pooled: dict[str, Any]) -> str:
+    d, o, mode = pooled["dense"], pooled["other"], pooled["other_mode"]
+    return (f"dense {d['successes']}/{d['episodes']}, {mode} {o['successes']}/{o['episodes']}\n\n"
+            + paired_table(pooled["tasks"], pooled["paired"], mode))
+
+
 def _fmt(x: float | None, pattern: str = "{:.2f}") -> str:
     return "-" if x is None else pattern.format(x)
 
