@@ -165,7 +165,7 @@ def run_episode(env: MetaWorldTask, pipeline, seed: int, n_execute: int, record:
     return res
 
 
-def _pipeline(spec: EvalSpec, mode: str, repository: Path | None, rho_p: float, tag: str):
+def _pipeline(spec: EvalSpec, mode: str, repository: Path | None, tag: str, rho_p: float = DEFAULT_RHO_P):
     cache = CacheSpec(enabled=mode == "cached", repository=str(repository) if repository else None,
                       rho_p=rho_p, reference_timeout_s=spec.reference_timeout_s,
                       context_cache="context" in spec.caches, action_cache="action" in spec.caches)
@@ -181,7 +181,7 @@ def record_references(spec: EvalSpec, log: Callable[[str], None]) -> tuple[list[
     bags: list[Path] = []
     counts: dict[str, int] = {}
     topics = reference_topics(spec)
-    with _pipeline(spec, "dense", None, DEFAULT_RHO_P, f"evref{os.getpid()}") as pipeline:
+    with _pipeline(spec, "dense", None, f"evref{os.getpid()}") as pipeline:
         for task in spec.tasks:
             env = task_harness(spec, task, spec.reference_band)
             try:
@@ -281,7 +281,7 @@ def evaluate(spec: EvalSpec, log: Callable[[str], None] = print) -> dict[str, An
     # and goes on the machine slows both modes alike and the speed ratio stays side by side.
     with contextlib.ExitStack() as stack:
         rho_p = report.get("repository", {}).get("rho_p", DEFAULT_RHO_P)
-        pipelines = {m: stack.enter_context(_pipeline(spec, m, repository, rho_p, f"ev{m}{os.getpid()}"))
+        pipelines = {m: stack.enter_context(_pipeline(spec, m, repository, f"ev{m}{os.getpid()}", rho_p))
                      for m in spec.modes}
         for task in spec.tasks:
             env = task_harness(spec, task, spec.pose_band)
@@ -412,6 +412,7 @@ def _fmt(x: float | None, pattern: str = "{:.2f}") -> str:
 
 def table(report: dict[str, Any]) -> str:
     modes = report["modes"]
+    repo = report.get("repository", {})
 
     def columns(m: str) -> list[str]:
         return [f"{m} success", f"{m} calls/success", f"{m} ms/call"] + (["fallback"] if m == "cached" else [])
@@ -438,7 +439,6 @@ def table(report: dict[str, Any]) -> str:
                  f"{_fmt(c['cached_overheads_s'].get('episode_start') and 1e3 * c['cached_overheads_s']['episode_start'], '{:.0f}')} ms"
                  f" per episode, window upkeep {_fmt(c['cached_overheads_s'].get('upkeep') and 1e3 * c['cached_overheads_s']['upkeep'], '{:.0f}')}"
                  " ms per call (overlapping the chunk's execution on a robot)\n")
-        repo = report.get("repository", {})
         if "rho_p" in repo:
             text += f"\nratios of the cached mode: rho_p {repo['rho_p']:g}, rho_n {repo['rho_n']:g} ({repo['ratios_from']})\n"
         if (pr := c.get("paired")) is not None:
@@ -448,7 +448,7 @@ def table(report: dict[str, Any]) -> str:
         text += ("\nfor scale, the dense policy against itself drawing other noise (mode resampled, seed "
                  "+1), seed by seed: how many outcomes other noise alone changes\n\n"
                  + paired_table(report["tasks"], nb, "resampled"))
-    refs = report.get("repository", {}).get("reference_successes")
+    refs = repo.get("reference_successes")
     if refs is not None and (missing := [t for t in report["tasks"] if not refs.get(t)]):
         one = len(missing) == 1
         text += (f"\nno reference episode succeeded for {', '.join(missing)}: the repository has nothing for "
