@@ -24,6 +24,7 @@ import sys
 import time
 
 from vla_runtime.testing.netns import assert_only_loopback
+from vla_runtime.testing.scenarios import rgb_image
 
 NODES = ("cache_manager_node", "vision_node", "policy_node")
 
@@ -111,9 +112,7 @@ def scenario(spec: dict, nodes: dict) -> dict:
 
     def image_msg(cam: str):
         img = images[cam]
-        m = Image(height=img.shape[0], width=img.shape[1], encoding="rgb8", step=img.shape[1] * 3)
-        m.data = img.tobytes()
-        m.header.stamp = now_stamp()
+        m = rgb_image(img, now_stamp())
         bad = mode["image"].get(cam)
         if bad == "encoding":
             m.encoding = "yuv422"

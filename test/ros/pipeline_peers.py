@@ -17,6 +17,7 @@ import sys
 import time
 
 from vla_runtime.testing.netns import assert_only_loopback
+from vla_runtime.testing.scenarios import rgb_image
 
 
 def robot(spec: dict) -> int:
@@ -54,9 +55,7 @@ def robot(spec: dict) -> int:
 
     def publish() -> None:
         for c, img in images.items():
-            m = Image(height=img.shape[0], width=img.shape[1], encoding="rgb8", step=img.shape[1] * 3)
-            m.data = img.tobytes()
-            pubs[c].publish(m)
+            pubs[c].publish(rgb_image(img))
         js = JointState(name=spec["joint_names"], position=[float(x) for x in spec["state"]])
         joints.publish(js)
         task.publish(String(data=spec["task"]))

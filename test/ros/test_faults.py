@@ -11,64 +11,32 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import yaml
 
-from vla_runtime.cache.builder import BuildConfig, build_repository
-from vla_runtime.engine.policy import Pi05Policy
-from vla_runtime.io.bags import list_episode_bags, read_episode
-from vla_runtime.testing.netns import ros_env, run_in_private_netns
-from vla_runtime.tools.demo import DemoSpec, demo_topics, make_demo
+from vla_runtime.testing.scenarios import node_logs, run_scenario
 
-ROOT = Path(__file__).resolve().parents[2]
-INSTALL = ROOT / "install"
+INSTALL = Path(__file__).resolve().parents[2] / "install"
 PEERS = Path(__file__).with_name("fault_peers.py")
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory) -> dict:
-    if not (INSTALL / "setup.bash").is_file():
-        pytest.fail(f"{INSTALL}/setup.bash missing: build the ROS 2 side first with `make ros`")
+def report(ros_demo, tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("ros_faults")
-    demo = make_demo(tmp / "demo", DemoSpec(preset="pi05-tiny", episodes=3, held_out=1, steps_per_episode=20),
-                     log=lambda m: None)
-    cams = ("top", "wrist")
-    builder = Pi05Policy.from_checkpoint(demo["checkpoint"], camera_names=list(cams))
-    build_repository(builder, builder.checkpoint_hash, list_episode_bags(demo["references"]), tmp / "repo",
-                     demo_topics(cams), call_period=0.5, cfg=BuildConfig(rho_n=0.5), log=lambda m: None)
-    profile = yaml.safe_load((ROOT / "config" / "sim.yaml").read_text())
-    profile["engine"].update(checkpoint=str(demo["checkpoint"]), preset="pi05-tiny", threads=1)
-    profile["control_hz"] = 20.0
-    profile["cache"] = {"enabled": True, "repository": str(tmp / "repo"), "reference_timeout_s": 5.0}
+    profile = ros_demo["profile"]
     (tmp / "profile.yaml").write_text(yaml.safe_dump(profile))
-    episode = read_episode(list_episode_bags(demo["held_out"])[0], demo_topics(cams), call_period=0.5)
-    frame = episode.frames[0]
     (tmp / "logs").mkdir()
-    spec = {"profile": str(tmp / "profile.yaml"), "logs": str(tmp / "logs"),
-            "images": {c: np.asarray(frame.images[c], dtype=np.uint8).tolist() for c in cams},
-            "state": np.asarray(frame.state).tolist(), "task": episode.task, "other_task": "wipe the table",
+    spec = {"profile": str(tmp / "profile.yaml"), "logs": str(tmp / "logs"), "images": ros_demo["images"],
+            "state": ros_demo["state"], "task": ros_demo["task"], "other_task": "wipe the table",
             "joint_names": profile["joint_names"], "lower": profile["joint_lower"], "upper": profile["joint_upper"],
             "cameras": {c: v["topic"] for c, v in profile["cameras"].items()}, "rings": f"f{os.getpid()}",
             "timeout": 20.0}
-    try:
-        out = run_in_private_netns([sys.executable, str(PEERS), "run", json.dumps(spec)], env=ros_env(INSTALL),
-                                   timeout=420, cwd=tmp)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"fault scenario timed out; stderr:\n{exc.stderr}\nlogs: {_logs(tmp)}")
-    assert out.returncode == 0, f"{out.stderr}\nlogs: {_logs(tmp)}"
-    rep = json.loads(out.stdout.strip().splitlines()[-1])
+    rep = run_scenario(PEERS, spec, INSTALL, timeout=420, cwd=tmp)
     (tmp / "report.json").write_text(json.dumps(rep, indent=1))   # what each phase saw, for a reader
-    rep["logs"] = _logs(tmp)
+    rep["logs"] = node_logs(spec)
     return rep
-
-
-def _logs(tmp: Path) -> str:
-    return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((tmp / "logs").glob("*.log")))
 
 
 def _phase(report: dict, name: str) -> dict:

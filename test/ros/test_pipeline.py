@@ -5,10 +5,7 @@ chosen by the cache manager) for the same observation, state and noise."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +21,7 @@ from vla_runtime.cache.retrieval import RetrievalConfig
 from vla_runtime.engine.cached import CacheConfig, CachedEngine
 from vla_runtime.engine.policy import Observation, Pi05Policy
 from vla_runtime.io.bags import BagTopics, list_episode_bags, read_episode
-from vla_runtime.testing.netns import ros_env, run_in_private_netns
+from vla_runtime.testing.scenarios import run_scenario
 from vla_runtime.tools.demo import DemoSpec, demo_topics, make_demo
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,13 +59,7 @@ def test_nodes_publish_the_engines_chunk(tmp_path: Path) -> None:
             "state": state.tolist(), "task": task, "joint_names": profile["joint_names"],
             "cameras": {c: v["topic"] for c, v in profile["cameras"].items()}, "timeout": 120,
             "rings": f"t{os.getpid()}"}
-    try:
-        out = run_in_private_netns([sys.executable, str(PEERS), "run", json.dumps(spec)], env=ros_env(INSTALL),
-                                   timeout=240, cwd=tmp_path)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"pipeline timed out; stderr:\n{exc.stderr}")
-    assert out.returncode == 0, out.stderr
-    report = json.loads(out.stdout.strip().splitlines()[-1])
+    report = run_scenario(PEERS, spec, INSTALL, timeout=240, cwd=tmp_path)
     diag = report["diagnostics"]
     assert float(diag["vla_runtime: policy"]["call_latency_s"]) > 0 and int(diag["vla_runtime: policy"]["calls"]) >= 1
     assert float(diag["vla_runtime: vision"]["vision_s"]) > 0 and diag["vla_runtime: vision"]["reference"]

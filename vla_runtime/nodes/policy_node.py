@@ -39,10 +39,11 @@ from .conversions import InputError, JointStateAssembler, StampCheck, chunk_to_t
 from .diagnostics import DIAGNOSTICS_TOPIC, diagnostic_array
 from .params import POLICY, declare_parameters, profile_and_checkpoint, request_timeout_warning, ring_names
 from .prefix_ring import EPISODE_TOPIC, READY_TOPIC, REQUEST_TOPIC
-from .spin import run
+from .spin import CallbackGate, gated, run
 from .stages import PolicyStage, SlotNote, cache_config, load_policy, open_repository_meta
 
 PARAMETERS = POLICY
+SHUTDOWN_WAIT_S = 5.0   # for the chunk being computed at shutdown
 
 
 class PolicyNode(Node):
@@ -66,6 +67,7 @@ class PolicyNode(Node):
         self.joints = JointStateAssembler(prof.joint_names)
         self.task: str | None = None
         self.lock = threading.Lock()
+        self.gate = CallbackGate()   # destroy_node waits for the chunk in flight before closing the rings
         self.t0_ns: int | None = None
         self.tick = -1
         self.requested_at: dict[int, float] = {}
@@ -206,6 +208,7 @@ class PolicyNode(Node):
             self.controller.abandon(tick)
 
     # ------------------------------------------------------------ chunks
+    @gated
     def _on_slot(self, msg: SlotReady) -> None:
         in_flight = self.controller.in_flight
         if in_flight is None or self.requested_at.get(in_flight.request_seq) is None:
@@ -315,7 +318,11 @@ class PolicyNode(Node):
         self.diag_pub.publish(diagnostic_array(self, "vla_runtime: policy", self.profile.name, values, warn))
 
     def destroy_node(self) -> None:
-        self.stage.close()
+        if self.gate.close(SHUTDOWN_WAIT_S):
+            self.stage.close()
+        else:   # unmapping under a running call would fault; the vision node replaces its segments
+            self.get_logger().error(f"a chunk was still being computed {SHUTDOWN_WAIT_S} s after shutdown began: "
+                                    "leaving the ring buffers mapped")
         super().destroy_node()
 
 

@@ -1,9 +1,67 @@
-"""The entry point every node shares: init, spin, clean shutdown (also on Ctrl-C)."""
+"""The entry point every node shares: init, spin, clean shutdown (also on Ctrl-C).
+
+Ctrl-C ends ``spin`` in the main thread, but a multi-threaded executor's worker may still be in
+a callback: encoding into a ring, or waiting for the cache manager's answer. ``CallbackGate``
+lets ``destroy_node`` stop new callbacks, wake the waiting ones and wait for the ones in flight
+before it unmaps the rings they write to (closing a ring under a running call would fault, and
+a wait sat out in full kept the process alive past any launcher's patience).
+"""
 
 from __future__ import annotations
 
+import functools
 import signal
-from typing import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class CallbackGate:
+    """Counts the callbacks in flight; once closing, new ones are skipped."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._active = 0
+        self._closing = False
+
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
+    @contextmanager
+    def call(self) -> Iterator[bool]:
+        """``with gate.call() as entered``: False when the node is closing (return at once)."""
+        with self._cond:
+            entered = not self._closing
+            self._active += int(entered)
+        try:
+            yield entered
+        finally:
+            if entered:
+                with self._cond:
+                    self._active -= 1
+                    self._cond.notify_all()
+
+    def close(self, timeout_s: float, wake: Callable[[], None] = lambda: None) -> bool:
+        """Refuse new callbacks, call ``wake`` (to cut short the waits of those in flight) and
+        wait for them to finish. False if one is still running after ``timeout_s``."""
+        with self._cond:
+            self._closing = True
+        wake()
+        with self._cond:
+            return self._cond.wait_for(lambda: self._active == 0, timeout_s)
+
+
+def gated(callback: F) -> F:
+    """A node method run inside its node's ``gate`` (skipped once the node is closing)."""
+    @functools.wraps(callback)
+    def run_gated(self, *args: Any, **kwargs: Any) -> Any:
+        with self.gate.call() as entered:
+            return callback(self, *args, **kwargs) if entered else None
+    return run_gated  # type: ignore[return-value]
 
 
 def run(make_node: Callable[[], object], threads: int = 1, args: list[str] | None = None) -> None:

@@ -30,11 +30,12 @@ from .conversions import CameraFeed, InputError, StampCheck, image_from_msg, sta
 from .diagnostics import DIAGNOSTICS_TOPIC, diagnostic_array
 from .params import VISION, declare_parameters, profile_and_checkpoint, ring_names
 from .prefix_ring import QUERY_TOPIC, READY_TOPIC, REPLY_TOPIC, REQUEST_TOPIC
-from .spin import run
+from .spin import CallbackGate, gated, run
 from .stages import PrefixRequestNote, QueryNote, VisionStage, cache_config, load_policy, open_repository_meta
 from .workers import ReferenceChoice
 
 PARAMETERS = VISION
+SHUTDOWN_WAIT_S = 5.0   # for the call in flight at shutdown (it no longer waits for a reference)
 
 
 class VisionNode(Node):
@@ -57,6 +58,7 @@ class VisionNode(Node):
         self._reply: ReferenceChoice | None = None
         self._reply_ready = threading.Event()
         self._waiting_for = -1
+        self.gate = CallbackGate()   # destroy_node waits for the call in flight before closing the rings
         images = MutuallyExclusiveCallbackGroup()   # frames keep arriving while a call is encoded
         for cam in self.profile.cameras:
             kind = CompressedImage if cam.compressed else Image
@@ -69,7 +71,7 @@ class VisionNode(Node):
             self.query_pub = self.create_publisher(ReferenceQuery, QUERY_TOPIC, 10)
             self.create_subscription(ReferenceReply, REPLY_TOPIC, self._on_reply, 10,
                                      callback_group=MutuallyExclusiveCallbackGroup())
-        self.create_timer(0.1, self.stage.heartbeat)
+        self.create_timer(0.1, self._heartbeat)
         self.create_timer(1.0, self._publish_diagnostics)
         self.get_logger().info(f"vision node up: profile {self.profile.name}, checkpoint {ckpt}, ring "
                                f"{self.stage.prefix.name}, cache {'on' if cc is not None else 'off'}")
@@ -111,7 +113,10 @@ class VisionNode(Node):
             msg.episode = q.episode
         msg.header.stamp = self.get_clock().now().to_msg()
         self.query_pub.publish(msg)
-        if not self._reply_ready.wait(self.reference_timeout_s):
+        answered = self._reply_ready.wait(self.reference_timeout_s)
+        if self.gate.closing:   # woken by destroy_node: finish this call dense, without waiting
+            return ReferenceChoice(q.request_seq, reason="vision node shutting down")
+        if not answered:
             self.get_logger().warning(f"no reference for call {q.request_seq} within {self.reference_timeout_s} s: "
                                       "dense", throttle_duration_sec=2.0)
             return None
@@ -125,6 +130,11 @@ class VisionNode(Node):
                                       float(msg.similarity), msg.reason)
         self._reply_ready.set()
 
+    @gated
+    def _heartbeat(self) -> None:
+        self.stage.heartbeat()
+
+    @gated
     def _on_request(self, req: PrefixRequest) -> None:
         images, self.missing, self.stale = usable_images(self.feeds, time.monotonic_ns(),
                                                          float(self.params["max_image_age_s"]),
@@ -167,7 +177,11 @@ class VisionNode(Node):
         self.diag_pub.publish(diagnostic_array(self, "vla_runtime: vision", self.profile.name, values, warn))
 
     def destroy_node(self) -> None:
-        self.stage.close()
+        if self.gate.close(SHUTDOWN_WAIT_S, wake=self._reply_ready.set):
+            self.stage.close()
+        else:   # unmapping under a running call would fault; the next start replaces the segments
+            self.get_logger().error(f"a call was still running {SHUTDOWN_WAIT_S} s after shutdown began: "
+                                    "leaving the ring buffers to the next start")
         super().destroy_node()
 
 
