@@ -175,6 +175,7 @@ def _eval(args: argparse.Namespace) -> int:
                     processes=args.processes, modes=tuple(args.modes.split(",")), repository=args.repository,
                     rho_p=args.rho_p, rho_n=args.rho_n, profile_episodes=args.profile_episodes,
                     tolerance=args.tolerance, caches=tuple(args.caches.split(",")), seed=args.seed,
+                    min_similarity=args.min_similarity, first_scene_floor=args.first_scene_floor,
                     engine=EngineSpec(threads=args.threads))
     report = evaluate(spec, log=_log)
     from pathlib import Path
@@ -382,6 +383,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="mean relative action deviation the profiled ratios may cost")
     ev.add_argument("--caches", default="context,action",
                     help="comma-separated halves of the cache the cached mode runs: context, action (ablations)")
+    ev.add_argument("--min-similarity", dest="min_similarity", type=float, default=0.8,
+                    help="fallback threshold of every retrieval (cache.min_similarity)")
+    ev.add_argument("--first-scene-floor", dest="first_scene_floor", action="store_true",
+                    help="also fall back when an episode's first scene is less similar to the repository than "
+                         "any reference's first scene is to the others (cache.first_scene_floor)")
     ev.add_argument("--seed", type=int, default=0,
                     help="policy noise seed (both modes draw the same noise on an episode seed; another --seed "
                          "draws other noise)")

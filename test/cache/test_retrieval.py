@@ -12,6 +12,7 @@ from vla_runtime.cache.retrieval import (
     Retriever,
     TaskPacks,
     candidates_from_repository,
+    first_call_floors,
 )
 
 F, L, D = 16, 3, 4
@@ -102,6 +103,26 @@ def test_fallback_below_threshold_persists_until_next_episode():
     assert r.query(unit(0.81, (1 - 0.81**2) ** 0.5), h).episode_id == "a"
 
 
+def test_first_scene_floor_applies_to_the_first_search_only():
+    h = torch.zeros(L, D)
+    m = matrix({("a", 0): (unit(1, 0), h), ("a", 1): (unit(0, 1), h)})
+    r = retriever(m, first_call_floor={TASK: 0.95, "other task": 0.99})
+    assert r.query(unit(0.9, (1 - 0.9**2) ** 0.5), h) is None          # above 0.8, below the task's floor
+    assert r.fallback and "first scene" in r.reason and r.stats.fallbacks == 1
+    r.start_episode(TASK, max_calls=40)
+    assert r.query(unit(0.96, (1 - 0.96**2) ** 0.5), h).key == ("a", 0)   # first scene above the floor
+    assert r.query(unit(0.9, (1 - 0.9**2) ** 0.5), h).key == ("a", 0)     # later calls: only min_similarity
+
+
+def test_first_scene_floor_with_no_prepared_candidate_waits_for_the_first_real_search():
+    h = torch.zeros(L, D)
+    m = CandidateMatrix(4, F, L, D)
+    r = retriever(m, first_call_floor={TASK: 0.95})
+    assert r.query(unit(0.9, 0.4359), h) is None and not r.fallback    # nothing prepared yet: not a fallback
+    m.put(("a", 0), unit(1, 0), h)
+    assert r.query(unit(0.9, (1 - 0.9**2) ** 0.5), h) is None and r.fallback   # the first real search
+
+
 def test_stall_after_max_calls_repeats():
     h, feat = torch.zeros(L, D), unit(1)
     seen = []
@@ -168,6 +189,8 @@ def test_config_validation():
         RetrievalConfig(top_t=0)
     with pytest.raises(ValueError, match="arm_slices"):
         RetrievalConfig(arm_slices=((3, 1),))
+    with pytest.raises(ValueError, match="first_call_floor"):
+        RetrievalConfig(first_call_floor={TASK: 1.5})
     r = retriever(matrix({("a", 0): (unit(1), torch.zeros(L, D))}), arm_slices=((0, 2), (2, 5)))
     with pytest.raises(ValueError, match="exceed the state dimension"):
         r.query(unit(1), torch.zeros(L, D))
@@ -195,3 +218,26 @@ def test_candidates_from_repository(tmp_path):
     r = Retriever(RetrievalConfig(history_len=L), candidates_from_repository(repo))
     r.start_episode(TASK, max_calls=8)
     assert r.query(target.retrieval, target.state_history).key == ("e1", 2)
+
+
+def test_first_call_floors_is_the_least_similar_first_scene_leaving_its_episode_out(tmp_path):
+    from vla_runtime.cache.repository import ReferenceCall, ReferenceRepository, RepositoryMeta
+
+    def call(feature: torch.Tensor) -> ReferenceCall:
+        return ReferenceCall(
+            images=torch.zeros(1, 4, 4, 3, dtype=torch.uint8), image_mask=torch.ones(1, dtype=torch.bool),
+            tokens=torch.zeros(3, dtype=torch.int64), token_mask=torch.ones(3, dtype=torch.bool),
+            state=torch.zeros(D), state_history=torch.zeros(L, D),
+            retrieval=feature.reshape(2, F // 2).half(), masks=torch.zeros(1, 1, 2, dtype=torch.int32))
+
+    repo = ReferenceRepository.create(tmp_path / "r", RepositoryMeta(
+        checkpoint_hash="sha256:x", model={}, retrieval_layer=1, rho_n=0.5, mask_groups=[[0, 10]], history_len=L))
+    c = 0.6   # e0's first scene: cosine c to e1's later call, 0 to everything else
+    repo.add_episode("e0", TASK, [call(unit(1, 0, 0)), call(unit(0, 0, 1))])
+    repo.add_episode("e1", TASK, [call(unit(0, 0, 1)), call(unit(c, (1 - c * c) ** 0.5, 0))])
+    repo.add_episode("lone", "other task", [call(unit(1)), call(unit(1))])
+    floors = first_call_floors(repo)
+    # e1's first scene matches e0's second call exactly (1.0); e0's first scene at best c: the floor is c.
+    # The own episode is left out (e0's first call is identical to itself), and a task with one
+    # episode gets no floor.
+    assert floors == {TASK: pytest.approx(c, abs=2e-3)}

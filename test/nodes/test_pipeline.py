@@ -16,14 +16,14 @@ import torch
 
 from vla_runtime.cache.manager import CacheManager, ManagerConfig
 from vla_runtime.cache.repository import ReferenceRepository
-from vla_runtime.cache.retrieval import RetrievalConfig
+from vla_runtime.cache.retrieval import RetrievalConfig, first_call_floors
 from vla_runtime.cli import main as cli_main
 from vla_runtime.engine.cached import CacheConfig, CachedEngine
 from vla_runtime.engine.policy import Observation, Pi05Policy
 from vla_runtime.io.bags import list_episode_bags
 from vla_runtime.nodes.pipeline import LocalPipeline, PipelineSpec, ProcessPipeline
 from vla_runtime.nodes.profile import CacheSpec
-from vla_runtime.nodes.stages import RingNames, episode_noise_key
+from vla_runtime.nodes.stages import RingNames, episode_noise_key, manager_config
 
 CAMS = ("top", "wrist")
 
@@ -173,6 +173,16 @@ def test_a_seeded_episode_draws_its_own_noise_whatever_ran_before(demo):
     with LocalPipeline(_spec(demo, "noisebad", enabled=False)) as pipeline:
         with pytest.raises(ValueError, match="episode seed"):
             pipeline.start_episode(episode.task, noise_seed=-1)
+
+
+def test_the_profiles_fallback_settings_reach_the_retriever(demo):
+    repo = ReferenceRepository.open(demo["repo"])
+    default = manager_config(CacheSpec(enabled=True, repository=str(demo["repo"])), repo).retrieval
+    assert default.min_similarity == 0.8 and default.first_call_floor == {}
+    tuned = manager_config(CacheSpec(enabled=True, repository=str(demo["repo"]), min_similarity=0.7,
+                                     first_scene_floor=True), repo).retrieval
+    assert tuned.min_similarity == 0.7
+    assert tuned.first_call_floor == first_call_floors(repo) and set(tuned.first_call_floor) == set(repo.tasks())
 
 
 def test_a_refused_repository_runs_dense_and_says_why(demo, tmp_path):

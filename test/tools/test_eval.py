@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,7 +20,7 @@ from vla_runtime.models.config import preset
 from vla_runtime.sim.metaworld_env import DEFAULT_CAMERAS, TASK_INSTRUCTIONS, MetaWorldConfig, MetaWorldTask
 from vla_runtime.tools.demo import write_random_checkpoint
 from vla_runtime.tools import eval as eval_tool
-from vla_runtime.tools.eval import CALL_PERIOD_S, EpisodeResult, EvalSpec, evaluate, paired, pool, table as eval_table
+from vla_runtime.tools.eval import EpisodeResult, EvalSpec, evaluate, paired, pool, table as eval_table
 from vla_runtime.tools.metaworld_demos import ACTION_TOPIC, bag_topics, record_episode
 
 TASK = "button-press-topdown-v3"
@@ -113,6 +112,26 @@ def test_a_cached_run_with_nothing_for_the_task_repeats_the_dense_run_seed_for_s
     assert baseline["pairs"] == 2 and baseline["identical_episodes"] < 2
     assert report["noise_baseline"]["per_task"][other]["pairs"] == 2
     assert "| task | both | dense only | resampled only |" in (spec.out / "eval.md").read_text()
+
+
+def test_a_threshold_no_reference_reaches_turns_every_cached_call_dense(setup):
+    """--min-similarity reaches the cache manager's retrieval: at 1.0 every query falls back and the
+    cached episode is the dense one, step for step (the same noise on the seed)."""
+    spec = EvalSpec(checkpoint=setup["checkpoint"], out=setup["root"] / "out_floor", tasks=(TASK,), episodes=1,
+                    n_execute=4, max_steps=12, image_size=32, repository=setup["repo"], min_similarity=1.0,
+                    first_scene_floor=True)
+    report = evaluate(spec, log=lambda m: None)
+    assert report["min_similarity"] == 1.0 and report["first_scene_floor"] is True
+    assert report["repository"]["first_call_floors"] == {}       # one reference episode: no floor to set
+    cached = report["modes"]["cached"]["overall"]
+    assert cached["cached_calls"] == 0 and cached["fallback_rate"] == 1.0
+    assert report["comparison"]["paired"]["overall"]["identical_episodes"] == 1
+    (reason,) = report["episodes"]["cached"][0]["dense_reasons"]
+    assert reason.startswith("fallback: best visual similarity") and "< 1.0" in reason
+    md = (spec.out / "eval.md").read_text()
+    assert "similarity below 1; no first-scene floor (no task has two reference episodes)" in md
+    with pytest.raises(ValueError, match="min_similarity"):
+        EvalSpec(checkpoint=setup["checkpoint"], out=setup["root"] / "x", min_similarity=0.0)
 
 
 def _episode(task: str, seed: int, success: bool) -> EpisodeResult:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Hashable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -32,12 +32,18 @@ Key = tuple[str, int]   # (episode_id, call index)
 
 @dataclass
 class RetrievalConfig:
-    """Retrieval parameters. ``arm_slices`` = joint ranges per arm; () means one arm (all of D)."""
+    """Retrieval parameters. ``arm_slices`` = joint ranges per arm; () means one arm (all of D).
+
+    ``min_similarity`` applies to every query. ``first_call_floor`` (per task, from
+    ``first_call_floors``) applies to an episode's first search only: a first scene less similar to
+    the repository than every reference episode's first scene is to the others runs dense.
+    """
 
     top_t: int = 4
     history_len: int = 4
     min_similarity: float = 0.8
     arm_slices: tuple[tuple[int, int], ...] = ()
+    first_call_floor: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.top_t, int) or self.top_t < 1:
@@ -47,6 +53,9 @@ class RetrievalConfig:
         if not isinstance(self.min_similarity, (int, float)) or not -1.0 <= self.min_similarity <= 1.0:
             raise ValueError(f"RetrievalConfig.min_similarity must lie in [-1, 1], got {self.min_similarity!r}")
         self.arm_slices = tuple(tuple(s) for s in self.arm_slices)
+        for task, floor in self.first_call_floor.items():
+            if not isinstance(floor, (int, float)) or not -1.0 <= floor <= 1.0:
+                raise ValueError(f"RetrievalConfig.first_call_floor[{task!r}] must lie in [-1, 1], got {floor!r}")
         for s in self.arm_slices:
             if len(s) != 2 or not all(isinstance(x, int) for x in s) or not 0 <= s[0] < s[1]:
                 raise ValueError(f"RetrievalConfig.arm_slices entries must be [start, end) joint ranges, got {s!r}")
@@ -286,7 +295,8 @@ class Retriever:
             self.reason = "no prepared candidates"
             return None
 
-        if not self._episodes:
+        first_search = not self._episodes
+        if first_search:
             # First search of the episode: top-T episodes by their best-matching entry.
             n_codes = len(pack.episode_of_code)
             best_per_episode = torch.full((n_codes,), -math.inf, device=pack.device).scatter_reduce(
@@ -298,11 +308,15 @@ class Retriever:
         values, idx = sims.topk(min(cfg.top_t, n_eligible))
         best = float(values[0])
         self.stats.last_similarity = best
-        if best < cfg.min_similarity:
+        floor = cfg.first_call_floor.get(self.task) if first_search else None
+        if best < cfg.min_similarity or (floor is not None and best < floor):
             self.fallback = True
             self.stats.fallbacks += 1
             self.reason = (f"fallback: best visual similarity {best:.3f} < {cfg.min_similarity}; "
-                           f"dense for the rest of the episode")
+                           if best < cfg.min_similarity else
+                           f"fallback: first scene's best visual similarity {best:.5f} < {floor:.5f}, the least "
+                           f"any reference episode's first scene has to the others (a scene the repository "
+                           f"does not cover); ") + "dense for the rest of the episode"
             return None
         keep = values >= cfg.min_similarity          # never rerank onto a visually poor match
         values, idx = values[keep], idx[keep]
@@ -325,6 +339,33 @@ class Retriever:
             return None
         self.reason = ""
         return match
+
+
+def first_call_floors(repo: ReferenceRepository, tasks: Iterable[str] | None = None) -> dict[str, float]:
+    """Per task, the least similar a known-good first scene is to the rest of the repository.
+
+    For each reference episode, its first call's best cosine similarity to any call of the *other*
+    episodes of the task (leave one episode out); the task's floor is the lowest of these. Why the
+    first call: the object poses vary between episodes and the first scene shows them before the
+    robot moves, whereas later calls differ by the motion too, so only the first scene separates a
+    pose the repository covers from one it does not. Why calibrated, not a fixed number: the cosine
+    scale depends on the model's features (a small vision tower on small images puts every scene
+    above 0.99). Tasks with fewer than two reference episodes get no floor.
+    """
+    floors = {}
+    for task in (repo.tasks() if tasks is None else tasks):
+        keys, feats = repo.retrieval_matrix(task)
+        episodes = sorted({e for e, _ in keys})
+        if len(episodes) < 2:
+            continue
+        f = feats.float()
+        f = f / f.norm(dim=1, keepdim=True).clamp_min(1e-12)
+        code = torch.tensor([episodes.index(e) for e, _ in keys])
+        firsts = [i for i, (_, index) in enumerate(keys) if index == 0]
+        sims = f[firsts] @ f.T                                          # [episodes with a first call, n]
+        sims = sims.masked_fill(code[None, :] == code[firsts][:, None], -math.inf)
+        floors[task] = float(sims.amax(dim=1).min())
+    return floors
 
 
 def candidates_from_repository(repo: ReferenceRepository, tasks: Iterable[str] | None = None, device: str | torch.device = "cpu",

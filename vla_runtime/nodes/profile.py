@@ -78,6 +78,9 @@ class CacheSpec:
     reference_timeout_s: float = 0.5   # the vision node waits this long for an answer, then runs dense
     context_cache: bool = True   # reuse the reference's VLM FFN outputs in the prefill (rMuscle Context Cache)
     action_cache: bool = True    # compute the reference's neuron masks only between anchor steps (Action Cache)
+    min_similarity: float = 0.8  # an episode whose best reference is less similar (cosine of ViT features) runs dense
+    first_scene_floor: bool = False   # also run dense an episode whose first scene is less like the repository
+    #                                   than any reference's first scene is to the others (retrieval.first_call_floors)
 
 
 @dataclass(frozen=True)
@@ -164,6 +167,10 @@ class RobotProfile:
             raise bad("cache", "rho_p in (0, 1], episodes >= 1, lookahead >= 0, memory_budget_mb >= 1")
         if not (isinstance(c.reference_timeout_s, (int, float)) and 0 < c.reference_timeout_s <= 60):
             raise bad("cache.reference_timeout_s", f"must be in (0, 60] s, got {c.reference_timeout_s!r}")
+        if not (isinstance(c.min_similarity, (int, float)) and 0 < c.min_similarity <= 1):
+            raise bad("cache.min_similarity", f"must be in (0, 1], got {c.min_similarity!r}")
+        if not isinstance(c.first_scene_floor, bool):
+            raise bad("cache.first_scene_floor", f"must be true or false, got {c.first_scene_floor!r}")
         if not (isinstance(c.context_cache, bool) and isinstance(c.action_cache, bool)):
             raise bad("cache", f"context_cache and action_cache must be true or false, got "
                                f"{c.context_cache!r}, {c.action_cache!r}")

@@ -25,7 +25,7 @@ from torch import Tensor
 from ..cache.builder import model_summary
 from ..cache.manager import CacheManager, ManagerConfig
 from ..cache.repository import ReferenceRepository, RepositoryError
-from ..cache.retrieval import RetrievalConfig
+from ..cache.retrieval import RetrievalConfig, first_call_floors
 from ..cache.window import WindowConfig
 from ..engine.cached import CacheConfig
 from ..engine.policy import Observation, Pi05Policy
@@ -139,7 +139,10 @@ def cache_config(spec: CacheSpec, repo: ReferenceRepository | None) -> CacheConf
 
 
 def manager_config(spec: CacheSpec, repo: ReferenceRepository, arm_slices: tuple[tuple[int, int], ...] = ()) -> ManagerConfig:
-    return ManagerConfig(retrieval=RetrievalConfig(history_len=repo.meta.history_len, arm_slices=arm_slices),
+    return ManagerConfig(retrieval=RetrievalConfig(history_len=repo.meta.history_len, arm_slices=arm_slices,
+                                                   min_similarity=float(spec.min_similarity),
+                                                   first_call_floor=first_call_floors(repo) if spec.first_scene_floor
+                                                   else {}),
                          window=WindowConfig(episodes=spec.episodes, lookahead=spec.lookahead),
                          memory_budget_bytes=spec.memory_budget_mb << 20)
 

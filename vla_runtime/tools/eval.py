@@ -36,6 +36,7 @@ import numpy as np
 
 from ..cache.builder import BuildConfig, build_repository
 from ..cache.repository import ReferenceRepository
+from ..cache.retrieval import first_call_floors
 from ..engine.policy import Pi05Policy
 from ..io.bags import BagTopics, Episode, EpisodeFrame, write_episode_bag
 from ..nodes.pipeline import PipelineSpec, make_pipeline
@@ -72,6 +73,8 @@ class EvalSpec:
     profile_episodes: int = 2             # reference episodes per task replayed to profile the ratios
     tolerance: float = 0.05               # mean relative action deviation the profiled ratios may cost
     caches: tuple[str, ...] = CACHES      # which halves of the cache the cached mode runs (ablations)
+    min_similarity: float = 0.8           # fallback: every query (cache.min_similarity)
+    first_scene_floor: bool = False       # fallback: an episode's first scene below the repository's floor
     reference_timeout_s: float = 60.0
     seed: int = 0                         # policy noise seed
     engine: EngineSpec = field(default_factory=EngineSpec)
@@ -91,6 +94,8 @@ class EvalSpec:
             raise ValueError("profile_episodes must be >= 0 and tolerance > 0")
         if not self.caches or set(self.caches) - set(CACHES):
             raise ValueError(f"caches must be a non-empty subset of {CACHES}, got {list(self.caches)}")
+        if not 0 < self.min_similarity <= 1:
+            raise ValueError(f"min_similarity must be in (0, 1], got {self.min_similarity}")
         if "cached" in self.modes and self.repository is None and self.reference_episodes < 1:
             raise ValueError("the cached mode needs a repository or reference_episodes >= 1")
         seeds = range(self.eval_seed, self.eval_seed + self.episodes)
@@ -168,7 +173,8 @@ def run_episode(env: MetaWorldTask, pipeline, seed: int, n_execute: int, record:
 def _pipeline(spec: EvalSpec, mode: str, repository: Path | None, tag: str, rho_p: float = DEFAULT_RHO_P):
     cache = CacheSpec(enabled=mode == "cached", repository=str(repository) if repository else None,
                       rho_p=rho_p, reference_timeout_s=spec.reference_timeout_s,
-                      context_cache="context" in spec.caches, action_cache="action" in spec.caches)
+                      context_cache="context" in spec.caches, action_cache="action" in spec.caches,
+                      min_similarity=spec.min_similarity, first_scene_floor=spec.first_scene_floor)
     rings = RingNames.tagged(tag)
     seed = spec.seed + 1 if mode == "resampled" else spec.seed
     pspec = PipelineSpec(spec.checkpoint, spec.cameras, cache, spec.engine, rings, seed)
@@ -271,11 +277,13 @@ def evaluate(spec: EvalSpec, log: Callable[[str], None] = print) -> dict[str, An
                               "episodes_per_task": spec.episodes, "eval_seeds": [spec.eval_seed, spec.eval_seed + spec.episodes],
                               "pose_band": list(spec.pose_band), "reference_band": list(spec.reference_band),
                               "n_execute": spec.n_execute, "max_steps": spec.max_steps, "processes": spec.processes,
-                              "caches": list(spec.caches),
-                              "modes": {}}
+                              "caches": list(spec.caches), "min_similarity": spec.min_similarity,
+                              "first_scene_floor": spec.first_scene_floor, "modes": {}}
     repository = None
     if "cached" in spec.modes:
         repository, report["repository"] = build_reference_repository(spec, log)
+        if spec.first_scene_floor:
+            report["repository"]["first_call_floors"] = first_call_floors(ReferenceRepository.open(repository))
     per_episode: dict[str, list[EpisodeResult]] = {m: [] for m in spec.modes}
     # Every mode runs each (task, seed) in turn, one right after the other, so a load that comes
     # and goes on the machine slows both modes alike and the speed ratio stays side by side.
@@ -439,8 +447,17 @@ def table(report: dict[str, Any]) -> str:
                  f"{_fmt(c['cached_overheads_s'].get('episode_start') and 1e3 * c['cached_overheads_s']['episode_start'], '{:.0f}')} ms"
                  f" per episode, window upkeep {_fmt(c['cached_overheads_s'].get('upkeep') and 1e3 * c['cached_overheads_s']['upkeep'], '{:.0f}')}"
                  " ms per call (overlapping the chunk's execution on a robot)\n")
+    if "cached" in modes:
         if "rho_p" in repo:
             text += f"\nratios of the cached mode: rho_p {repo['rho_p']:g}, rho_n {repo['rho_n']:g} ({repo['ratios_from']})\n"
+        floors = repo.get("first_call_floors")
+        text += (f"\nfallback to dense for the rest of an episode: a best visual similarity below "
+                 f"{report.get('min_similarity', 0.8):g}" + ("" if floors is None else
+                 "; no first-scene floor (no task has two reference episodes)" if not floors else
+                 "; or a first scene less similar than the repository's own floor (per task: "
+                 + ", ".join(f"{t} {v:.5f}" for t, v in floors.items()) + ")") + "\n")
+    if "comparison" in report:
+        c = report["comparison"]
         if (pr := c.get("paired")) is not None:
             text += ("\nseed by seed (both modes drew the same noise on each seed; an identical episode took "
                      "the same steps to the same final state):\n\n" + paired_table(report["tasks"], pr, "cached"))
