@@ -23,7 +23,7 @@ from vla_runtime.engine.policy import Observation, Pi05Policy
 from vla_runtime.io.bags import list_episode_bags
 from vla_runtime.nodes.pipeline import LocalPipeline, PipelineSpec, ProcessPipeline
 from vla_runtime.nodes.profile import CacheSpec
-from vla_runtime.nodes.stages import RingNames, episode_noise_key, manager_config
+from vla_runtime.nodes.stages import CacheStage, RingNames, episode_noise_key, manager_config
 
 CAMS = ("top", "wrist")
 
@@ -183,6 +183,14 @@ def test_the_profiles_fallback_settings_reach_the_retriever(demo):
                                      first_scene_floor=True), repo).retrieval
     assert tuned.min_similarity == 0.7
     assert tuned.first_call_floor == first_call_floors(repo) and set(tuned.first_call_floor) == set(repo.tasks())
+    policy = Pi05Policy.from_checkpoint(demo["checkpoint"], camera_names=list(CAMS))
+    stage = CacheStage(policy, CacheSpec(enabled=True, repository=str(demo["repo"]), first_scene_floor=True),
+                       RingNames.tagged(f"floor{os.getpid()}"))
+    try:   # what the cache manager node says at start-up
+        assert stage.fallback_rule.startswith("similarity below 0.8; first scene below the floor of ")
+        assert all(repr(t) in stage.fallback_rule for t in repo.tasks())
+    finally:
+        stage.close()
 
 
 def test_a_refused_repository_runs_dense_and_says_why(demo, tmp_path):

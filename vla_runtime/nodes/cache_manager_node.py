@@ -43,7 +43,8 @@ class CacheManagerNode(Node):
         self.create_subscription(Empty, EPISODE_TOPIC, self._on_episode_start, 10)
         self.create_timer(0.1, self.stage.heartbeat)
         self.create_timer(1.0, self._publish_diagnostics)
-        state = "on" if self.stage.enabled else f"off ({self.stage.disabled_reason})"
+        state = f"on, fallback: {self.stage.fallback_rule}" if self.stage.enabled else \
+            f"off ({self.stage.disabled_reason})"
         self.get_logger().info(f"cache manager up: profile {prof.name}, repository {prof.cache.repository}, "
                                f"cache {state}")
 

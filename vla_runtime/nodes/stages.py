@@ -312,6 +312,7 @@ class CacheStage:
                  arm_slices: tuple[tuple[int, int], ...] = ()):
         self.rings = rings
         self.disabled_reason = ""
+        self.fallback_rule = ""   # when an episode runs dense, said at start-up
         self.worker: CacheWorker | None = None
         self.working_set: RingBuffer | None = None
         self.query: RingBuffer | None = None
@@ -342,6 +343,9 @@ class CacheStage:
             log.warning("muscle-memory cache disabled, running dense: %s", e)
             return
         self.worker = CacheWorker(manager)
+        self.fallback_rule = (f"similarity below {mcfg.retrieval.min_similarity:g}" +
+                              ("" if not spec.first_scene_floor else "; first scene below the floor of " + ", ".join(
+                                  f"{t!r} {v:.5f}" for t, v in mcfg.retrieval.first_call_floor.items())))
 
     @property
     def enabled(self) -> bool:
