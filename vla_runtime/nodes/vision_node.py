@@ -106,6 +106,8 @@ class VisionNode(Node):
         if self.query_pub.get_subscription_count() == 0:
             return ReferenceChoice(q.request_seq, reason="no cache manager subscribed")
         self._reply_ready.clear()
+        if self.gate.closing:   # after the clear: a wake-up set before it would be lost
+            return ReferenceChoice(q.request_seq, reason="vision node shutting down")
         self._waiting_for = q.request_seq
         msg = ReferenceQuery(request_seq=q.request_seq, task=q.task, ring=self.stage.query.name, slot=q.slot,
                              sequence=q.seq)
