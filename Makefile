@@ -49,7 +49,7 @@ DEMO_TASKS := --task button-press-topdown-v3 --task drawer-close-v3 --task handl
 demo: setup
 	rm -rf out/closed_loop
 	$(CLI) eval --checkpoint checkpoints/pi05-mw-metaworld --out out/closed_loop $(DEMO_TASKS) --episodes 3 \
-		--reference-episodes 3 --processes 3 --threads 1
+		--reference-episodes 3 --max-steps 300 --processes 3 --threads 1
 
 # The earlier main job, on the bundled pi05-small preset with random weights: the dense engine
 # benchmark, then the muscle-memory cache end to end on synthetic demo-robot data (build-cache

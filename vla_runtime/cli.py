@@ -365,7 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="inner,outer normalised band of the evaluation object poses (e.g. 0.7,1 = held out)")
     ev.add_argument("--reference-band", dest="reference_band", default="0,1", help="band of the reference poses")
     ev.add_argument("--n-execute", dest="n_execute", type=int, default=4, help="actions executed per policy call")
-    ev.add_argument("--max-steps", dest="max_steps", type=int, default=300, help="environment steps per episode")
+    ev.add_argument("--max-steps", dest="max_steps", type=int, default=500,
+                    help="environment steps per episode (500: Meta-World's own episode length)")
     ev.add_argument("--processes", type=int, default=1, choices=[1, 3], help="pipeline in 1 process or 3")
     ev.add_argument("--modes", default="dense,cached",
                     help="comma-separated: dense, cached, resampled (the dense policy on other noise: how many "

@@ -64,7 +64,7 @@ class EvalSpec:
     cameras: tuple[str, ...] = DEFAULT_CAMERAS
     image_size: int = 64
     n_execute: int = 4                    # actions executed per policy call
-    max_steps: int = 300
+    max_steps: int = 500                  # Meta-World's own episode length (max_path_length)
     processes: int = 1
     modes: tuple[str, ...] = ("dense", "cached")
     repository: Path | None = None        # an existing repository (skips the reference phase)
