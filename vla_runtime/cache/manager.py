@@ -177,11 +177,12 @@ class CacheManager:
         """The same reference keeps coming back: the robot is not progressing. Report it and
         start the episode's retrieval afresh (the call itself runs dense)."""
         self.stalls.append(match)
-        log.warning("stall detected for task %r: %s; the episode's cache state is reset", self.task,
-                    self.retriever.reason)
+        reason = self.retriever.reason
+        log.warning("stall detected for task %r: %s; the episode's cache state is reset", self.task, reason)
         task = self.task
         if task is not None:
             self.start_episode(task)
+            self.retriever.reason = reason   # why this call runs dense (the restart cleared it)
 
     def _aligned_positions(self, m: Match) -> dict[str, int]:
         """Current position in every candidate episode: the match itself, and the same progress
