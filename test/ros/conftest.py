@@ -22,7 +22,8 @@ CAMERAS = ("top", "wrist")
 @pytest.fixture(scope="session")
 def ros_demo(tmp_path_factory) -> dict:
     """A pi05-tiny demo checkpoint, a repository built from its reference episodes, the sim
-    profile pointed at both (cache on), and the first frame of a held-out episode."""
+    profile pointed at both (cache on), and the first frame of a held-out episode. Scenarios
+    change a deep copy of the profile, never the dict itself."""
     if not (INSTALL / "setup.bash").is_file():
         pytest.fail(f"{INSTALL}/setup.bash missing: build the ROS 2 side first with `make ros`")
     tmp = tmp_path_factory.mktemp("ros_demo")
@@ -37,5 +38,5 @@ def ros_demo(tmp_path_factory) -> dict:
     profile["cache"] = {"enabled": True, "repository": str(tmp / "repo"), "reference_timeout_s": 5.0}
     episode = read_episode(list_episode_bags(demo["held_out"])[0], demo_topics(CAMERAS), call_period=0.5)
     frame = episode.frames[0]
-    return {"profile": profile, "task": episode.task, "state": np.asarray(frame.state).tolist(),
+    return {"checkpoint": demo["checkpoint"], "repo": tmp / "repo", "profile": profile, "task": episode.task, "state": np.asarray(frame.state).tolist(),
             "images": {c: np.asarray(frame.images[c], dtype=np.uint8).tolist() for c in CAMERAS}}

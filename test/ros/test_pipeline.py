@@ -5,45 +5,32 @@ chosen by the cache manager) for the same observation, state and noise."""
 
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 import yaml
 
-
-from vla_runtime.cache.builder import BuildConfig, build_repository
 from vla_runtime.cache.manager import CacheManager, ManagerConfig
 from vla_runtime.cache.repository import ReferenceRepository
 from vla_runtime.cache.retrieval import RetrievalConfig
 from vla_runtime.engine.cached import CacheConfig, CachedEngine
 from vla_runtime.engine.policy import Observation, Pi05Policy
-from vla_runtime.io.bags import BagTopics, list_episode_bags, read_episode
+from vla_runtime.io.bags import BagTopics, read_episode
 from vla_runtime.testing.scenarios import run_scenario
-from vla_runtime.tools.demo import DemoSpec, demo_topics, make_demo
 
 ROOT = Path(__file__).resolve().parents[2]
 INSTALL = ROOT / "install"
 PEERS = Path(__file__).with_name("pipeline_peers.py")
 
 
-def test_nodes_publish_the_engines_chunk(tmp_path: Path) -> None:
-    if not (INSTALL / "setup.bash").is_file():
-        pytest.fail(f"{INSTALL}/setup.bash missing: build the ROS 2 side first with `make ros`")
-    demo = make_demo(tmp_path / "demo", DemoSpec(preset="pi05-tiny", episodes=3, held_out=1, steps_per_episode=20),
-                     log=lambda m: None)
+def test_nodes_publish_the_engines_chunk(ros_demo, tmp_path: Path) -> None:
     cams = ["top", "wrist"]
-    builder = Pi05Policy.from_checkpoint(demo["checkpoint"], camera_names=cams)
-    build_repository(builder, builder.checkpoint_hash, list_episode_bags(demo["references"]), tmp_path / "repo",
-                     demo_topics(tuple(cams)), call_period=0.5, cfg=BuildConfig(rho_n=0.5), log=lambda m: None)
-    profile = yaml.safe_load((ROOT / "config" / "sim.yaml").read_text())
-    profile["engine"]["checkpoint"] = demo["checkpoint"]
-    profile["engine"]["preset"] = "pi05-tiny"   # the demo checkpoint's architecture
-    profile["control_hz"] = 20.0
+    profile = copy.deepcopy(ros_demo["profile"])
     # generous: on 2 busy cores the cache manager's first answer includes preparing the window
-    profile["cache"] = {"enabled": True, "repository": str(tmp_path / "repo"), "reference_timeout_s": 15.0}
+    profile["cache"]["reference_timeout_s"] = 15.0
     # likewise the watchdog: a chunk arriving later than watchdog_s after its call is not executed
     profile["streaming"]["watchdog_s"] = 30.0
     (tmp_path / "profile.yaml").write_text(yaml.safe_dump(profile))
@@ -73,8 +60,8 @@ def test_nodes_publish_the_engines_chunk(tmp_path: Path) -> None:
     call_id = got["call_id"]
     assert call_id <= 5
 
-    policy = Pi05Policy.from_checkpoint(demo["checkpoint"], camera_names=cams)
-    repo = ReferenceRepository.open(tmp_path / "repo")
+    policy = Pi05Policy.from_checkpoint(ros_demo["checkpoint"], camera_names=cams)
+    repo = ReferenceRepository.open(ros_demo["repo"])
     manager = CacheManager(policy.engine.model, repo, ManagerConfig(RetrievalConfig(history_len=repo.meta.history_len)))
     engine = CachedEngine(policy.engine.model, CacheConfig(rho_p=0.4, rho_n=repo.meta.rho_n,
                                                            groups=tuple(tuple(g) for g in repo.meta.mask_groups)))
