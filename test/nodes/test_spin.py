@@ -1,10 +1,13 @@
-"""CallbackGate: what destroy_node relies on to close the rings only after the call in flight."""
+"""CallbackGate: what destroy_node relies on to close the rings only after the call in flight; and\nthe end of the spin on Ctrl-C, which rclpy reports in two ways, in either order."""
 
 from __future__ import annotations
 
+import signal
 import threading
 
-from vla_runtime.nodes.spin import CallbackGate, gated
+import pytest
+
+from vla_runtime.nodes.spin import CallbackGate, gated, ignore_sigint, spin_until_shutdown
 
 
 class _Node:
@@ -68,3 +71,53 @@ def test_a_callback_that_raises_leaves_the_gate():
     except ValueError:
         pass
     assert gate.close(0.1)
+
+
+class _ShutdownError(Exception):
+    """Stands for rclpy's RCLError raised by a wait on a context the signal already shut down."""
+
+
+def _raise(exc: BaseException):
+    def spin() -> None:
+        raise exc
+    return spin
+
+
+def test_ctrl_c_ends_the_spin_normally():
+    spin_until_shutdown(_raise(KeyboardInterrupt()), lambda: True, (_ShutdownError,))
+
+
+def test_a_shutdown_error_after_the_context_went_down_ends_the_spin_normally():
+    spin_until_shutdown(_raise(_ShutdownError("context is not valid")), lambda: False, (_ShutdownError,))
+
+
+def test_the_interrupt_arriving_while_the_shutdown_error_is_handled_ends_the_spin_normally():
+    def context_ok() -> bool:   # the KeyboardInterrupt of the same SIGINT, raised a moment later
+        raise KeyboardInterrupt
+    spin_until_shutdown(_raise(_ShutdownError("context is not valid")), context_ok, (_ShutdownError,))
+
+
+def test_a_shutdown_error_with_the_context_up_is_a_real_fault():
+    with pytest.raises(_ShutdownError):
+        spin_until_shutdown(_raise(_ShutdownError("wait set")), lambda: True, (_ShutdownError,))
+    with pytest.raises(ValueError):
+        spin_until_shutdown(_raise(ValueError("bug in a callback")), lambda: False, (_ShutdownError,))
+
+
+def test_ignore_sigint_survives_a_pending_interrupt(monkeypatch):
+    calls = []
+    real = signal.signal
+
+    def flaky_signal(num, handler):   # the pending Ctrl-C is raised inside the first attempt
+        calls.append(handler)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real(num, handler)
+
+    old = signal.getsignal(signal.SIGINT)
+    monkeypatch.setattr(signal, "signal", flaky_signal)
+    try:
+        ignore_sigint()
+        assert calls == [signal.SIG_IGN, signal.SIG_IGN] and signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        real(signal.SIGINT, old)

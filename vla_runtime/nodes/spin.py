@@ -64,22 +64,51 @@ def gated(callback: F) -> F:
     return run_gated  # type: ignore[return-value]
 
 
+def spin_until_shutdown(spin: Callable[[], None], context_ok: Callable[[], bool],
+                        shutdown_errors: tuple[type[BaseException], ...]) -> None:
+    """Run ``spin`` until Ctrl-C or a shutdown of the ROS context; return normally on either.
+
+    One SIGINT does two things in rclpy: its handler shuts the context down (the next wait then
+    raises an ``RCLError`` or ``ExternalShutdownException``) and it raises ``KeyboardInterrupt``
+    in the main thread, in either order. So a shutdown error is a normal end when the context is
+    down (re-raised while it is up: a real fault), and the interrupt may still arrive while that
+    error is being handled.
+    """
+    try:
+        try:
+            spin()
+        except shutdown_errors:
+            if context_ok():
+                raise
+    except KeyboardInterrupt:
+        pass
+
+
+def ignore_sigint() -> None:
+    """Ignore further Ctrl-C, so that the clean-up (closing the rings, destroying the node) runs to
+    its end: a terminal's Ctrl-C reaches the node twice (directly and relayed by ``ros2 launch``),
+    and an interrupt already pending is raised here rather than in the middle of the clean-up."""
+    while True:
+        try:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            return
+        except KeyboardInterrupt:
+            continue
+
+
 def run(make_node: Callable[[], object], threads: int = 1, args: list[str] | None = None) -> None:
     import rclpy
-    from rclpy.executors import MultiThreadedExecutor, SingleThreadedExecutor
+    from rclpy._rclpy_pybind11 import RCLError
+    from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor, SingleThreadedExecutor
 
     rclpy.init(args=args)
     node = make_node()
     executor = MultiThreadedExecutor(num_threads=threads) if threads > 1 else SingleThreadedExecutor()
     executor.add_node(node)
     try:
-        executor.spin()
-    except KeyboardInterrupt:
-        pass
+        spin_until_shutdown(executor.spin, rclpy.ok, (RCLError, ExternalShutdownException))
     finally:
-        # Ctrl-C in a terminal reaches the node twice (directly and relayed by ros2 launch): the
-        # clean-up (closing the ring buffer, destroying the node) must not be cut by the second.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        ignore_sigint()
         node.destroy_node()
         if rclpy.ok():
             rclpy.shutdown()

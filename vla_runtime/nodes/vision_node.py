@@ -157,6 +157,8 @@ class VisionNode(Node):
             self._refuse(f"prefix request {req.request_seq} refused: {e}")
             self._publish_diagnostics()
             return
+        if self.gate.closing:   # finished during shutdown: the context may already be gone
+            return
         out = SlotReady()
         out.header.stamp = self.get_clock().now().to_msg()
         out.ring, out.slot, out.sequence, out.layout_tag = slot.ring, slot.slot, slot.seq, slot.layout_tag
