@@ -341,6 +341,17 @@ class Retriever:
         return match
 
 
+def fallback_rule(min_similarity: float, floors: Mapping[str, float] | None) -> str:
+    """When an episode runs dense, in words (the cache manager's start-up line, ``eval.md``);
+    ``floors`` None: the first-scene floor is off."""
+    rule = f"similarity below {min_similarity:g}"
+    if floors is None:
+        return rule
+    if not floors:
+        return rule + "; no first-scene floor (no task has two reference episodes)"
+    return rule + "; first scene below the floor of " + ", ".join(f"{t!r} {v:.5f}" for t, v in floors.items())
+
+
 def first_call_floors(repo: ReferenceRepository, tasks: Iterable[str] | None = None) -> dict[str, float]:
     """Per task, the least similar a known-good first scene is to the rest of the repository.
 

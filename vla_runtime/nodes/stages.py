@@ -25,7 +25,7 @@ from torch import Tensor
 from ..cache.builder import model_summary
 from ..cache.manager import CacheManager, ManagerConfig
 from ..cache.repository import ReferenceRepository, RepositoryError
-from ..cache.retrieval import RetrievalConfig, first_call_floors
+from ..cache.retrieval import RetrievalConfig, fallback_rule, first_call_floors
 from ..cache.window import WindowConfig
 from ..engine.cached import CacheConfig
 from ..engine.policy import Observation, Pi05Policy
@@ -343,9 +343,8 @@ class CacheStage:
             log.warning("muscle-memory cache disabled, running dense: %s", e)
             return
         self.worker = CacheWorker(manager)
-        self.fallback_rule = (f"similarity below {mcfg.retrieval.min_similarity:g}" +
-                              ("" if not spec.first_scene_floor else "; first scene below the floor of " + ", ".join(
-                                  f"{t!r} {v:.5f}" for t, v in mcfg.retrieval.first_call_floor.items())))
+        self.fallback_rule = fallback_rule(mcfg.retrieval.min_similarity,
+                                           mcfg.retrieval.first_call_floor if spec.first_scene_floor else None)
 
     @property
     def enabled(self) -> bool:

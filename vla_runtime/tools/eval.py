@@ -36,7 +36,7 @@ import numpy as np
 
 from ..cache.builder import BuildConfig, build_repository
 from ..cache.repository import ReferenceRepository
-from ..cache.retrieval import first_call_floors
+from ..cache.retrieval import fallback_rule, first_call_floors
 from ..engine.policy import Pi05Policy
 from ..io.bags import BagTopics, Episode, EpisodeFrame, write_episode_bag
 from ..nodes.pipeline import PipelineSpec, make_pipeline
@@ -450,12 +450,8 @@ def table(report: dict[str, Any]) -> str:
     if "cached" in modes:
         if "rho_p" in repo:
             text += f"\nratios of the cached mode: rho_p {repo['rho_p']:g}, rho_n {repo['rho_n']:g} ({repo['ratios_from']})\n"
-        floors = repo.get("first_call_floors")
-        text += (f"\nfallback to dense for the rest of an episode: a best visual similarity below "
-                 f"{report.get('min_similarity', 0.8):g}" + ("" if floors is None else
-                 "; no first-scene floor (no task has two reference episodes)" if not floors else
-                 "; or a first scene less similar than the repository's own floor (per task: "
-                 + ", ".join(f"{t} {v:.5f}" for t, v in floors.items()) + ")") + "\n")
+        rule = fallback_rule(report.get("min_similarity", 0.8), repo.get("first_call_floors"))
+        text += f"\nfallback to dense for the rest of an episode: a best visual {rule}\n"
     if "comparison" in report:
         c = report["comparison"]
         if (pr := c.get("paired")) is not None:
