@@ -39,8 +39,8 @@ def report(ros_demo, tmp_path_factory) -> dict:
 def test_vision_node_interrupted_while_waiting_for_a_reference_exits_cleanly(report):
     assert report["first_served"] and report["quiet"], report["logs"]
     assert not report["second_served_before_interrupt"], report   # it was waiting, as arranged
-    # Far below the reference wait: the wait was cut short, not sat out (the driver gives up at 30 s).
-    assert report["vision_exit_s"] < REFERENCE_WAIT_S / 4, report
+    # Exit code 0, not the driver's SIGKILL: the driver gives up after 30 s, half the reference
+    # wait, so a wait sat out would end in -9 (the time taken is in the report, not judged here).
     assert report["vision_exit_code"] == 0, report["logs"]
     assert report["rings_left"] == [], report
     assert report["cache_manager_exit_code"] == 0, report["logs"]
