@@ -176,6 +176,7 @@ def _eval(args: argparse.Namespace) -> int:
                     rho_p=args.rho_p, rho_n=args.rho_n, profile_episodes=args.profile_episodes,
                     tolerance=args.tolerance, caches=tuple(args.caches.split(",")), seed=args.seed,
                     min_similarity=args.min_similarity, first_scene_floor=args.first_scene_floor,
+                    max_end_matches=args.max_end_matches,
                     engine=EngineSpec(threads=args.threads))
     report = evaluate(spec, log=_log)
     from pathlib import Path
@@ -389,6 +390,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--first-scene-floor", dest="first_scene_floor", action="store_true",
                     help="also fall back when an episode's first scene is less similar to the repository than "
                          "any reference's first scene is to the others (cache.first_scene_floor)")
+    ev.add_argument("--max-end-matches", dest="max_end_matches", type=int, default=3,
+                    help="fall back when an episode matches references' last calls more often than this "
+                         "(past the references; cache.max_end_matches; 0: no limit)")
     ev.add_argument("--seed", type=int, default=0,
                     help="policy noise seed (both modes draw the same noise on an episode seed; another --seed "
                          "draws other noise)")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-from pathlib import Path
 
 import pytest
 import torch
@@ -166,6 +165,15 @@ def test_cli_build_cache_and_cache_bench(demo, tmp_path, capsys):
     # an existing repository is never overwritten
     assert main(["build-cache", "--checkpoint", demo["checkpoint"], "--bags", demo["references"], "--out", str(out),
                  *cams]) == 2
+
+
+def test_the_retriever_knows_which_entries_are_last_calls(repo, demo, policy):
+    """The past-the-references rule counts matches to last calls: the manager tells the retriever
+    each reference episode's length at every episode start."""
+    manager = CacheManager(policy.engine.model, repo)
+    manager.start_episode(demo["task"])
+    assert manager.retriever.last_index == {e.episode_id: e.num_calls - 1 for e in repo.episodes(demo["task"])}
+    assert len(manager.retriever.last_index) == 3
 
 
 def test_stall_is_reported_and_resets_the_episode(repo, demo, policy, caplog):

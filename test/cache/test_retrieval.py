@@ -139,6 +139,33 @@ def test_stall_after_max_calls_repeats():
     assert not r.stalled and r.query(feat, h).key == ("a", 7)
 
 
+def test_past_the_references_runs_the_rest_of_the_episode_dense():
+    """Matches to a reference's last call are counted over the episode, whichever reference; one
+    more than ``max_end_matches`` runs the rest of the episode dense, until the next episode."""
+    h = torch.zeros(L, D)
+    m = matrix({("a", 0): (unit(1, 0), h), ("a", 1): (unit(0, 1), h), ("b", 2): (unit(1, 1), h)})
+    r = Retriever(RetrievalConfig(history_len=L, max_end_matches=2), TaskPacks({TASK: m}))
+    r.start_episode(TASK, max_calls=40, episode_lengths={"a": 2, "b": 3})
+    assert r.query(unit(1, 0), h).key == ("a", 0) and r.end_matches == 0       # not a last call
+    assert r.query(unit(0, 1), h).key == ("a", 1)                               # a's last call
+    assert r.query(unit(1, 0), h).key == ("a", 0)                               # the count is not reset
+    assert r.query(unit(1, 1), h).key == ("b", 2) and r.end_matches == 2        # b's last call
+    assert r.query(unit(0, 1), h) is None and r.fallback and r.stats.past_end == 1
+    assert r.reason.startswith("past the references: match 3 to a reference's last call") \
+        and "dense for the rest of the episode" in r.reason
+    assert r.query(unit(1, 0), h) is None and r.stats.past_end == 1              # latched, counted once
+    r.start_episode(TASK, max_calls=40, episode_lengths={"a": 2, "b": 3})
+    assert r.query(unit(0, 1), h).key == ("a", 1) and not r.fallback and r.end_matches == 1
+
+
+@pytest.mark.parametrize("cfg, lengths", [({"max_end_matches": 0}, {"a": 1}), ({"max_end_matches": 1}, None)])
+def test_past_the_references_off_without_a_limit_or_without_episode_lengths(cfg, lengths):
+    h, feat = torch.zeros(L, D), unit(1)
+    r = Retriever(RetrievalConfig(history_len=L, **cfg), TaskPacks({TASK: matrix({("a", 0): (feat, h)})}))
+    r.start_episode(TASK, max_calls=40, episode_lengths=lengths)
+    assert all(r.query(feat, h) is not None for _ in range(5)) and not r.fallback
+
+
 def test_unknown_task_runs_dense():
     r = Retriever(RetrievalConfig(history_len=L), TaskPacks({TASK: matrix({("a", 0): (unit(1), torch.zeros(L, D))})}))
     r.start_episode("fold towel", max_calls=10)
@@ -191,6 +218,9 @@ def test_config_validation():
         RetrievalConfig(arm_slices=((3, 1),))
     with pytest.raises(ValueError, match="first_call_floor"):
         RetrievalConfig(first_call_floor={TASK: 1.5})
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="max_end_matches"):
+            RetrievalConfig(max_end_matches=bad)
     r = retriever(matrix({("a", 0): (unit(1), torch.zeros(L, D))}), arm_slices=((0, 2), (2, 5)))
     with pytest.raises(ValueError, match="exceed the state dimension"):
         r.query(unit(1), torch.zeros(L, D))

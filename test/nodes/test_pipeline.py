@@ -178,17 +178,18 @@ def test_a_seeded_episode_draws_its_own_noise_whatever_ran_before(demo):
 def test_the_profiles_fallback_settings_reach_the_retriever(demo):
     repo = ReferenceRepository.open(demo["repo"])
     default = manager_config(CacheSpec(enabled=True, repository=str(demo["repo"])), repo).retrieval
-    assert default.min_similarity == 0.8 and default.first_call_floor == {}
+    assert default.min_similarity == 0.8 and default.first_call_floor == {} and default.max_end_matches == 3
     tuned = manager_config(CacheSpec(enabled=True, repository=str(demo["repo"]), min_similarity=0.7,
-                                     first_scene_floor=True), repo).retrieval
-    assert tuned.min_similarity == 0.7
+                                     first_scene_floor=True, max_end_matches=5), repo).retrieval
+    assert tuned.min_similarity == 0.7 and tuned.max_end_matches == 5
     assert tuned.first_call_floor == first_call_floors(repo) and set(tuned.first_call_floor) == set(repo.tasks())
     policy = Pi05Policy.from_checkpoint(demo["checkpoint"], camera_names=list(CAMS))
-    stage = CacheStage(policy, CacheSpec(enabled=True, repository=str(demo["repo"]), first_scene_floor=True),
-                       RingNames.tagged(f"floor{os.getpid()}"))
+    stage = CacheStage(policy, CacheSpec(enabled=True, repository=str(demo["repo"]), first_scene_floor=True,
+                                         max_end_matches=5), RingNames.tagged(f"floor{os.getpid()}"))
     try:   # what the cache manager node says at start-up
-        assert stage.fallback_rule.startswith("similarity below 0.8; first scene below the floor of ")
+        assert stage.fallback_rule.startswith("a best visual similarity below 0.8; a first scene below the floor of ")
         assert all(repr(t) in stage.fallback_rule for t in repo.tasks())
+        assert stage.fallback_rule.endswith("; more than 5 matches to a reference's last call (past the references)")
     finally:
         stage.close()
 

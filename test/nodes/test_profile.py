@@ -39,6 +39,7 @@ def _sim() -> dict:
     (lambda d: d.update(cache={"action_cache": "yes"}), "context_cache and action_cache must be true or false"),
     (lambda d: d.update(cache={"min_similarity": 0}), r"cache.min_similarity: must be in \(0, 1\]"),
     (lambda d: d.update(cache={"first_scene_floor": "yes"}), "cache.first_scene_floor: must be true or false"),
+    (lambda d: d.update(cache={"max_end_matches": -1}), r"cache.max_end_matches: must be an integer >= 0"),
     (lambda d: d.update(cache={"enabled": True, "repository": "/r", "context_cache": False, "action_cache": False}),
      "both context_cache and action_cache off"),
     (lambda d: d["output"].update(joint_slices=[[0, 9]]), "output.joint_slices"),

@@ -227,15 +227,19 @@ def scenario(spec: dict, nodes: dict) -> dict:
     # ---- 11: a changed instruction starts a new episode in the cache manager (and back)
     episodes, changes = n("cache manager", "episodes_started"), n("policy", "instruction_changes")
     mode["task"] = spec["other_task"]
+    t = time.monotonic()
     ok = spin_until(lambda: d("cache manager", "task") == spec["other_task"]
                     and n("cache manager", "episodes_started") > episodes
                     and n("policy", "instruction_changes") > changes)
-    changed = (d("policy", "instruction_changes"), d("cache manager", "reason"))
+    changed = (d("policy", "instruction_changes"), d("cache manager", "reason"), time.monotonic() - t)
     mode["task"] = spec["task"]
     t = time.monotonic()
     back = spin_until(lambda: d("cache manager", "task") == spec["task"] and chunk_after(t, "cached"))
-    phase("instruction_changed", ok=ok and back, changes=d("policy", "instruction_changes"), cache_reason=changed[1],
-          episodes_started=d("cache manager", "episodes_started"))
+    # the times and the chunks' sources since the switch say where a slow phase waited
+    phase("instruction_changed", ok=ok, back=back, changes=d("policy", "instruction_changes"), cache_reason=changed[1],
+          episodes_started=d("cache manager", "episodes_started"), switch_s=round(changed[2], 2),
+          back_s=round(time.monotonic() - t, 2), sources_since=[(round(ct - t, 2), src) for ct, _, src in chunks
+                                                                 if ct > t - changed[2]][-40:])
 
     # ---- 11b: the same task starts again: the cache manager prepares the episode on the
     # announcement itself, so the episode's first query does not start it a second time

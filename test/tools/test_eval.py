@@ -57,6 +57,7 @@ def test_eval_reports_consistent_numbers(setup):
     assert episode_lines == [["dense", TASK, "1/2:"], ["cached", TASK, "1/2:"],
                              ["dense", TASK, "2/2:"], ["cached", TASK, "2/2:"]]
     on_disk = json.loads((spec.out / "eval.json").read_text())
+    lengths = {e.episode_id: e.num_calls for e in ReferenceRepository.open(setup["repo"]).episodes()}
     assert on_disk["max_steps"] == spec.max_steps and on_disk["n_execute"] == spec.n_execute
     assert on_disk["comparison"] == json.loads(json.dumps(report["comparison"], default=float))
     for mode in ("dense", "cached"):
@@ -68,10 +69,21 @@ def test_eval_reports_consistent_numbers(setup):
         for e in episodes:
             assert e["steps"] <= spec.max_steps and e["calls"] == math.ceil(e["steps"] / spec.n_execute)
             assert len(e["call_s"]) == e["calls"] and 0 <= e["cached_calls"] <= e["calls"]
+            # the reference that served each call: none in the dense mode, one per cached call
+            assert len(e["references"]) == e["calls"]
+            served = [r for r in e["references"] if r is not None]
+            assert len(served) == (e["cached_calls"] if mode == "cached" else 0)
+            assert all(0 <= r[1] < lengths[r[0]] and 0 < r[2] <= 1.0 + 1e-6 for r in served)
     cached = report["modes"]["cached"]["overall"]
     assert cached["fallback_rate"] == pytest.approx(1 - cached["cached_calls"] / cached["calls"])
+    cached_episodes = report["episodes"]["cached"]
+    assert cached["episodes_with_fallback"] == sum(e["cached_calls"] < e["calls"] for e in cached_episodes)
+    ok = [e for e in cached_episodes if e["success"]]
+    assert cached["fallback_rate_in_successes"] == (
+        pytest.approx(1 - sum(e["cached_calls"] for e in ok) / sum(e["calls"] for e in ok)) if ok else None)
     assert report["modes"]["dense"]["overall"]["cached_calls"] == 0
     assert report["modes"]["dense"]["overall"]["fallback_rate"] is None
+    assert report["modes"]["dense"]["overall"]["episodes_with_fallback"] is None
     assert report["modes"]["cached"]["overall"]["cached_calls"] >= 1       # the demo's pose is near enough
     assert "retrieve" in report["modes"]["cached"]["overall"]["mean_phase_s"]
     pr = report["comparison"]["paired"]["overall"]
@@ -80,6 +92,7 @@ def test_eval_reports_consistent_numbers(setup):
     assert report["comparison"]["paired"]["per_task"][TASK]["pairs"] == 2
     table = (spec.out / "eval.md").read_text()
     assert TASK in table and "cached vs dense" in table and "| fallback |" in table and "seed by seed" in table
+    assert "more than 3 matches to a reference's last call (past the references)" in table   # the default rule
     # a task none of whose reference episodes succeeded is named: its cached episodes ran dense
     assert "no reference episode succeeded" not in table
     unreferenced = eval_table({**report, "repository": {"reference_successes": {TASK: 0}}})
@@ -119,17 +132,19 @@ def test_a_threshold_no_reference_reaches_turns_every_cached_call_dense(setup):
     cached episode is the dense one, step for step (the same noise on the seed)."""
     spec = EvalSpec(checkpoint=setup["checkpoint"], out=setup["root"] / "out_floor", tasks=(TASK,), episodes=1,
                     n_execute=4, max_steps=12, image_size=32, repository=setup["repo"], min_similarity=1.0,
-                    first_scene_floor=True)
+                    first_scene_floor=True, max_end_matches=0)
     report = evaluate(spec, log=lambda m: None)
     assert report["min_similarity"] == 1.0 and report["first_scene_floor"] is True
     assert report["repository"]["first_call_floors"] == {}       # one reference episode: no floor to set
     cached = report["modes"]["cached"]["overall"]
     assert cached["cached_calls"] == 0 and cached["fallback_rate"] == 1.0
+    assert report["episodes"]["cached"][0]["references"] == [None] * report["episodes"]["cached"][0]["calls"]
     assert report["comparison"]["paired"]["overall"]["identical_episodes"] == 1
     (reason,) = report["episodes"]["cached"][0]["dense_reasons"]
     assert reason.startswith("fallback: best visual similarity") and "< 1.0" in reason
     md = (spec.out / "eval.md").read_text()
     assert "similarity below 1; no first-scene floor (no task has two reference episodes)" in md
+    assert "past the references" not in md and report["max_end_matches"] == 0      # 0: no limit
     with pytest.raises(ValueError, match="min_similarity"):
         EvalSpec(checkpoint=setup["checkpoint"], out=setup["root"] / "x", min_similarity=0.0)
 

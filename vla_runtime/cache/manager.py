@@ -114,7 +114,7 @@ class CacheManager:
         self.task = task
         records = self.repo.episodes(task)
         max_calls = max((r.num_calls for r in records), default=1)
-        self.retriever.start_episode(task, max_calls)
+        self.retriever.start_episode(task, max_calls, {r.episode_id: r.num_calls for r in records})
         if not records:
             log.warning("no reference episodes for task %r: running dense", task)
             return PrepareReport()

@@ -12,6 +12,14 @@ later queries are restricted to (and the sliding window follows). A best similar
 threshold switches the rest of the episode to dense; the same reference returned more than the
 task's maximum number of calls means the robot is stuck, which is reported (``stalled``,
 optional ``on_stall`` callback) and left to the caller to act on (reset the episode).
+
+Beyond the paper, *past the references*: references are successful episodes, recorded up to the
+call that finished the task, so a reference's last call is the robot's last step of a success.
+An episode that keeps matching last calls (more than ``max_end_matches`` times) is where no
+reference has been: near the goal but not done. Reused from that finished scene, the cached
+computation carries the reference's "done" into the call and the robot hovers there (measured
+in closed loop: the cached failures spent most of their calls on last calls). The rest of the
+episode runs dense, so the policy itself finishes or fails as it would without the cache.
 """
 
 from __future__ import annotations
@@ -37,6 +45,8 @@ class RetrievalConfig:
     ``min_similarity`` applies to every query. ``first_call_floor`` (per task, from
     ``first_call_floors``) applies to an episode's first search only: a first scene less similar to
     the repository than every reference episode's first scene is to the others runs dense.
+    ``max_end_matches``: matches to a reference's last call an episode may have; the next one runs
+    the rest of the episode dense (0: no limit). Needs the episodes' lengths (``start_episode``).
     """
 
     top_t: int = 4
@@ -44,6 +54,7 @@ class RetrievalConfig:
     min_similarity: float = 0.8
     arm_slices: tuple[tuple[int, int], ...] = ()
     first_call_floor: Mapping[str, float] = field(default_factory=dict)
+    max_end_matches: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.top_t, int) or self.top_t < 1:
@@ -52,6 +63,10 @@ class RetrievalConfig:
             raise ValueError(f"RetrievalConfig.history_len must be a positive int, got {self.history_len!r}")
         if not isinstance(self.min_similarity, (int, float)) or not -1.0 <= self.min_similarity <= 1.0:
             raise ValueError(f"RetrievalConfig.min_similarity must lie in [-1, 1], got {self.min_similarity!r}")
+        if isinstance(self.max_end_matches, bool) or not isinstance(self.max_end_matches, int) \
+                or self.max_end_matches < 0:
+            raise ValueError(f"RetrievalConfig.max_end_matches must be an int >= 0 (0: no limit), "
+                             f"got {self.max_end_matches!r}")
         self.arm_slices = tuple(tuple(s) for s in self.arm_slices)
         for task, floor in self.first_call_floor.items():
             if not isinstance(floor, (int, float)) or not -1.0 <= floor <= 1.0:
@@ -83,6 +98,7 @@ class RetrievalStats:
     hits: int = 0
     misses: int = 0            # queries answered None, for any reason
     fallbacks: int = 0         # episodes switched to dense by low similarity
+    past_end: int = 0          # episodes switched to dense for matching references' last calls too often
     stalls: int = 0            # episodes reported stalled
     last_similarity: float = float("nan")
 
@@ -216,15 +232,19 @@ class Retriever:
         self.stats = RetrievalStats()
         self.task: str | None = None
         self.max_calls = 0
+        self.last_index: dict[str, int] = {}
         self.reset()
 
     # ---------------------------------------------------------------- episode state
 
-    def start_episode(self, task: str, max_calls: int) -> None:
-        """Select the task pack for a new episode; ``max_calls`` bounds repeats of one reference."""
+    def start_episode(self, task: str, max_calls: int, episode_lengths: Mapping[str, int] | None = None) -> None:
+        """Select the task pack for a new episode; ``max_calls`` bounds repeats of one reference;
+        ``episode_lengths`` (calls per reference episode) tell which entries are last calls (without
+        them ``max_end_matches`` has nothing to count)."""
         if not isinstance(max_calls, int) or max_calls < 1:
             raise ValueError(f"max_calls must be a positive int, got {max_calls!r}")
         self.task, self.max_calls = task, max_calls
+        self.last_index = {e: n - 1 for e, n in (episode_lengths or {}).items()}
         self.reset()
         if self.source.candidates(task) is None:
             self.reason = f"unknown task {task!r}: no task pack"
@@ -235,6 +255,7 @@ class Retriever:
         self.stalled = False
         self.reason = ""
         self.calls = 0
+        self.end_matches = 0
         self._repeats: dict[Key, int] = {}
         self._episodes: list[str] = []
 
@@ -263,7 +284,7 @@ class Retriever:
 
     def _query(self, features: Tensor, state_history: Tensor) -> Match | None:
         if self.stalled or self.fallback:
-            return None                     # latched for the episode; reason already set
+            return None                     # latched for the episode; reason already set (stall: till reset)
         pack = self.source.candidates(self.task)
         if pack is None:
             self.reason = f"unknown task {self.task!r}: no task pack"
@@ -328,6 +349,14 @@ class Retriever:
         episode_id, index = pack.keys[int(idx[j])]
         match = Match(episode_id, index, float(values[j]), float(dist[j]))
 
+        if self.last_index.get(episode_id) == index:
+            self.end_matches += 1
+            if cfg.max_end_matches and self.end_matches > cfg.max_end_matches:
+                self.fallback = True
+                self.stats.past_end += 1
+                self.reason = (f"past the references: match {self.end_matches} to a reference's last call "
+                               f"({match.key}), more than {cfg.max_end_matches}; dense for the rest of the episode")
+                return None
         n = self._repeats[match.key] = self._repeats.get(match.key, 0) + 1
         if n > self.max_calls:
             self.stalled = True
@@ -341,15 +370,17 @@ class Retriever:
         return match
 
 
-def fallback_rule(min_similarity: float, floors: Mapping[str, float] | None) -> str:
+def fallback_rule(min_similarity: float, floors: Mapping[str, float] | None, max_end_matches: int = 0) -> str:
     """When an episode runs dense, in words (the cache manager's start-up line, ``eval.md``);
-    ``floors`` None: the first-scene floor is off."""
-    rule = f"similarity below {min_similarity:g}"
-    if floors is None:
-        return rule
-    if not floors:
-        return rule + "; no first-scene floor (no task has two reference episodes)"
-    return rule + "; first scene below the floor of " + ", ".join(f"{t!r} {v:.5f}" for t, v in floors.items())
+    ``floors`` None: the first-scene floor is off; ``max_end_matches`` 0: no past-the-end limit."""
+    rule = f"a best visual similarity below {min_similarity:g}"
+    if floors is not None and not floors:
+        rule += "; no first-scene floor (no task has two reference episodes)"
+    elif floors is not None:
+        rule += "; a first scene below the floor of " + ", ".join(f"{t!r} {v:.5f}" for t, v in floors.items())
+    if max_end_matches:
+        rule += f"; more than {max_end_matches} matches to a reference's last call (past the references)"
+    return rule
 
 
 def first_call_floors(repo: ReferenceRepository, tasks: Iterable[str] | None = None) -> dict[str, float]:

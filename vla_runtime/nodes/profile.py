@@ -81,6 +81,7 @@ class CacheSpec:
     min_similarity: float = 0.8  # an episode whose best reference is less similar (cosine of ViT features) runs dense
     first_scene_floor: bool = False   # also run dense an episode whose first scene is less like the repository
     #                                   than any reference's first scene is to the others (retrieval.first_call_floors)
+    max_end_matches: int = 3     # an episode matching references' last calls more often runs dense (0: no limit)
 
 
 @dataclass(frozen=True)
@@ -171,6 +172,8 @@ class RobotProfile:
             raise bad("cache.min_similarity", f"must be in (0, 1], got {c.min_similarity!r}")
         if not isinstance(c.first_scene_floor, bool):
             raise bad("cache.first_scene_floor", f"must be true or false, got {c.first_scene_floor!r}")
+        if isinstance(c.max_end_matches, bool) or not isinstance(c.max_end_matches, int) or c.max_end_matches < 0:
+            raise bad("cache.max_end_matches", f"must be an integer >= 0 (0: no limit), got {c.max_end_matches!r}")
         if not (isinstance(c.context_cache, bool) and isinstance(c.action_cache, bool)):
             raise bad("cache", f"context_cache and action_cache must be true or false, got "
                                f"{c.context_cache!r}, {c.action_cache!r}")

@@ -142,7 +142,7 @@ def manager_config(spec: CacheSpec, repo: ReferenceRepository, arm_slices: tuple
     return ManagerConfig(retrieval=RetrievalConfig(history_len=repo.meta.history_len, arm_slices=arm_slices,
                                                    min_similarity=float(spec.min_similarity),
                                                    first_call_floor=first_call_floors(repo) if spec.first_scene_floor
-                                                   else {}),
+                                                   else {}, max_end_matches=spec.max_end_matches),
                          window=WindowConfig(episodes=spec.episodes, lookahead=spec.lookahead),
                          memory_budget_bytes=spec.memory_budget_mb << 20)
 
@@ -344,7 +344,8 @@ class CacheStage:
             return
         self.worker = CacheWorker(manager)
         self.fallback_rule = fallback_rule(mcfg.retrieval.min_similarity,
-                                           mcfg.retrieval.first_call_floor if spec.first_scene_floor else None)
+                                           mcfg.retrieval.first_call_floor if spec.first_scene_floor else None,
+                                           mcfg.retrieval.max_end_matches)
 
     @property
     def enabled(self) -> bool:

@@ -274,7 +274,7 @@ class CacheWorker:
         st = self.manager.retriever.stats
         rate = st.hits / st.queries if st.queries else 0.0
         return {"queries": str(st.queries), "hits": str(st.hits), "hit_rate": f"{rate:.3f}",
-                "fallbacks": str(st.fallbacks), "stalls": str(st.stalls),
+                "fallbacks": str(st.fallbacks), "stalls": str(st.stalls), "past_end": str(st.past_end),
                 "last_similarity": f"{st.last_similarity:.4f}", "prepared_entries": str(len(self.manager.entries)),
                 "reason": self.manager.retriever.reason or "", "task": self.manager.task or "",
                 "episodes_started": str(self.episodes_started)}

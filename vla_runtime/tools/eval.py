@@ -75,6 +75,7 @@ class EvalSpec:
     caches: tuple[str, ...] = CACHES      # which halves of the cache the cached mode runs (ablations)
     min_similarity: float = 0.8           # fallback: every query (cache.min_similarity)
     first_scene_floor: bool = False       # fallback: an episode's first scene below the repository's floor
+    max_end_matches: int = 3              # fallback: more matches to references' last calls (cache.max_end_matches)
     reference_timeout_s: float = 60.0
     seed: int = 0                         # policy noise seed
     engine: EngineSpec = field(default_factory=EngineSpec)
@@ -96,6 +97,8 @@ class EvalSpec:
             raise ValueError(f"caches must be a non-empty subset of {CACHES}, got {list(self.caches)}")
         if not 0 < self.min_similarity <= 1:
             raise ValueError(f"min_similarity must be in (0, 1], got {self.min_similarity}")
+        if self.max_end_matches < 0:
+            raise ValueError(f"max_end_matches must be >= 0 (0: no limit), got {self.max_end_matches}")
         if "cached" in self.modes and self.repository is None and self.reference_episodes < 1:
             raise ValueError("the cached mode needs a repository or reference_episodes >= 1")
         seeds = range(self.eval_seed, self.eval_seed + self.episodes)
@@ -118,6 +121,9 @@ class EpisodeResult:
     frames: list[EpisodeFrame] | None = None
     start_s: float = 0.0                  # the cache manager preparing the episode before its first call
     final_state: list[float] = field(default_factory=list)   # robot state at the end (same seed, same run: same state)
+    # per call, the reference that served it ([episode, index, similarity]) or None (dense): where
+    # in the references a cached episode was, and whether it kept returning to one entry
+    references: list[list | None] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -154,6 +160,8 @@ def run_episode(env: MetaWorldTask, pipeline, seed: int, n_execute: int, record:
         choice = pipeline.last_choice
         if choice is not None and not choice.found:
             res.dense_reasons[choice.reason] = res.dense_reasons.get(choice.reason, 0) + 1
+        res.references.append([choice.episode, choice.index, round(float(choice.similarity), 6)]
+                              if choice is not None and choice.found else None)
         chunk = np.asarray(out.chunk)
         if not np.isfinite(chunk).all():    # never executed: the episode fails safely
             res.dense_reasons["non-finite chunk"] = res.dense_reasons.get("non-finite chunk", 0) + 1
@@ -174,7 +182,8 @@ def _pipeline(spec: EvalSpec, mode: str, repository: Path | None, tag: str, rho_
     cache = CacheSpec(enabled=mode == "cached", repository=str(repository) if repository else None,
                       rho_p=rho_p, reference_timeout_s=spec.reference_timeout_s,
                       context_cache="context" in spec.caches, action_cache="action" in spec.caches,
-                      min_similarity=spec.min_similarity, first_scene_floor=spec.first_scene_floor)
+                      min_similarity=spec.min_similarity, first_scene_floor=spec.first_scene_floor,
+                      max_end_matches=spec.max_end_matches)
     rings = RingNames.tagged(tag)
     seed = spec.seed + 1 if mode == "resampled" else spec.seed
     pspec = PipelineSpec(spec.checkpoint, spec.cameras, cache, spec.engine, rings, seed)
@@ -258,12 +267,17 @@ def aggregate(results: list[EpisodeResult], cached: bool) -> dict[str, Any]:
     ok = [r for r in results if r.success]
     calls = sum(r.calls for r in results)
     fallback = 1 - sum(r.cached_calls for r in results) / calls if calls and cached else None
+    # the call rate is dominated by failing episodes, which run to the step limit: also say how
+    # many episodes ran any call dense, and how much of the successful episodes ran dense
+    ok_calls = sum(r.calls for r in ok)
+    fallback_ok = 1 - sum(r.cached_calls for r in ok) / ok_calls if ok_calls and cached else None
     phases = sorted({k for r in results for k in r.phase_s})
     return {"episodes": len(results), "successes": len(ok), "success_rate": len(ok) / len(results) if results else None,
             "mean_calls_per_success": _mean([float(r.calls) for r in ok]),
             "mean_steps_per_success": _mean([float(r.steps) for r in ok]),
             "calls": calls, "cached_calls": sum(r.cached_calls for r in results),
-            "fallback_rate": fallback,
+            "fallback_rate": fallback, "fallback_rate_in_successes": fallback_ok,
+            "episodes_with_fallback": sum(r.cached_calls < r.calls for r in results) if cached else None,
             "mean_call_s": _mean([s for r in results for s in r.call_s]),
             "mean_phase_s": {p: _mean([s for r in results for s in r.phase_s.get(p, [])]) for p in phases},
             "policy_s_per_success": _mean([sum(r.call_s) for r in ok]),
@@ -278,7 +292,8 @@ def evaluate(spec: EvalSpec, log: Callable[[str], None] = print) -> dict[str, An
                               "pose_band": list(spec.pose_band), "reference_band": list(spec.reference_band),
                               "n_execute": spec.n_execute, "max_steps": spec.max_steps, "processes": spec.processes,
                               "caches": list(spec.caches), "min_similarity": spec.min_similarity,
-                              "first_scene_floor": spec.first_scene_floor, "modes": {}}
+                              "first_scene_floor": spec.first_scene_floor, "max_end_matches": spec.max_end_matches,
+                              "modes": {}}
     repository = None
     if "cached" in spec.modes:
         repository, report["repository"] = build_reference_repository(spec, log)
@@ -337,7 +352,8 @@ def compare(dense: dict, cached: dict, tasks: tuple[str, ...]) -> dict[str, Any]
                                    "episode_start": c["mean_episode_start_s"]},
             "per_task_success_points": {t: 100 * ((cached["per_task"][t]["success_rate"] or 0)
                                                   - (dense["per_task"][t]["success_rate"] or 0)) for t in tasks},
-            "fallback_rate": c["fallback_rate"]}
+            "fallback_rate": c["fallback_rate"], "fallback_rate_in_successes": c["fallback_rate_in_successes"],
+            "episodes_with_fallback": c["episodes_with_fallback"]}
 
 
 def paired(dense: list[EpisodeResult], other: list[EpisodeResult]) -> dict[str, Any]:
@@ -443,15 +459,19 @@ def table(report: dict[str, Any]) -> str:
         text += (f"\ncached vs dense: success {c['success_points']:+.1f} points, speed-up per call "
                  f"{_fmt(c['speedup_per_call'])}x ({phases}), policy time per success "
                  f"{_fmt(c['speedup_policy_time_per_success'])}x, "
-                 f"fallback rate {_fmt(c['fallback_rate'], '{:.0%}')}; outside the calls: episode start "
+                 f"fallback rate {_fmt(c['fallback_rate'], '{:.0%}')} of the calls "
+                 f"({_fmt(c.get('fallback_rate_in_successes'), '{:.0%}')} in successful episodes; "
+                 f"{c.get('episodes_with_fallback')} of {report['modes']['cached']['overall']['episodes']} episodes "
+                 f"ran a call dense); outside the calls: episode start "
                  f"{_fmt(c['cached_overheads_s'].get('episode_start') and 1e3 * c['cached_overheads_s']['episode_start'], '{:.0f}')} ms"
                  f" per episode, window upkeep {_fmt(c['cached_overheads_s'].get('upkeep') and 1e3 * c['cached_overheads_s']['upkeep'], '{:.0f}')}"
                  " ms per call (overlapping the chunk's execution on a robot)\n")
     if "cached" in modes:
         if "rho_p" in repo:
             text += f"\nratios of the cached mode: rho_p {repo['rho_p']:g}, rho_n {repo['rho_n']:g} ({repo['ratios_from']})\n"
-        rule = fallback_rule(report.get("min_similarity", 0.8), repo.get("first_call_floors"))
-        text += f"\nfallback to dense for the rest of an episode: a best visual {rule}\n"
+        rule = fallback_rule(report.get("min_similarity", 0.8), repo.get("first_call_floors"),
+                             report.get("max_end_matches", 0))
+        text += f"\nfallback to dense for the rest of an episode: {rule}\n"
     if "comparison" in report:
         c = report["comparison"]
         if (pr := c.get("paired")) is not None:
