@@ -46,7 +46,8 @@ class RetrievalConfig:
     ``first_call_floors``) applies to an episode's first search only: a first scene less similar to
     the repository than every reference episode's first scene is to the others runs dense.
     ``max_end_matches``: matches to a reference's last call an episode may have; the next one runs
-    the rest of the episode dense (0: no limit). Needs the episodes' lengths (``start_episode``).
+    the rest of the episode dense (0: no limit, the paper's retrieval; the robot profile's
+    ``cache.max_end_matches`` sets 3). Needs the episodes' lengths (``start_episode``).
     """
 
     top_t: int = 4
