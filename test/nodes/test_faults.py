@@ -14,14 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-from vla_runtime.cache.manager import CacheManager, ManagerConfig
+from vla_runtime.cache.manager import CacheManager
 from vla_runtime.cache.repository import ReferenceRepository
-from vla_runtime.cache.retrieval import RetrievalConfig
 from vla_runtime.engine.cached import CacheConfig, CachedEngine
 from vla_runtime.engine.policy import Observation, Pi05Policy
 from vla_runtime.nodes.pipeline import PipelineSpec, ProcessPipeline, StageDied
 from vla_runtime.nodes.profile import CacheSpec, EngineSpec
-from vla_runtime.nodes.stages import PolicyStage, PrefixRequestNote, RingNames, VisionStage, load_policy
+from vla_runtime.nodes.stages import PolicyStage, PrefixRequestNote, RingNames, VisionStage, load_policy, manager_config
 
 CAMS = ("top", "wrist")
 SEED = 3
@@ -30,7 +29,8 @@ SEED = 3
 class Shadow:
     """The chunk each pipeline call must return, computed in this process."""
 
-    def __init__(self, demo: dict):
+    def __init__(self, demo: dict, cache: CacheSpec):
+        self.cache = cache
         self.policy = Pi05Policy.from_checkpoint(demo["checkpoint"], camera_names=list(CAMS))
         self.repo = ReferenceRepository.open(demo["repo"])
         self.engine = CachedEngine(self.policy.engine.model, CacheConfig(
@@ -39,8 +39,8 @@ class Shadow:
         self.cache_restarted()
 
     def cache_restarted(self) -> None:
-        self.manager = CacheManager(self.policy.engine.model, self.repo,
-                                    ManagerConfig(RetrievalConfig(history_len=self.repo.meta.history_len)))
+        # the cache manager stage's own configuration (fallback rules included)
+        self.manager = CacheManager(self.policy.engine.model, self.repo, manager_config(self.cache, self.repo))
 
     def expect(self, frame, task: str, request_seq: int) -> tuple[np.ndarray, object]:
         obs = Observation(frame.images, frame.state, task)
@@ -62,12 +62,15 @@ def _rings(tag: str) -> RingNames:
 
 @pytest.fixture(scope="module")
 def rig(demo):
+    # The calls cycle through one short episode again and again, so they keep matching the
+    # references' last calls: no past-the-references limit, or the episode would latch dense and
+    # the tests could not see the cache resume after a fault (that rule has its own tests).
     spec = PipelineSpec(Path(demo["checkpoint"]), CAMS, CacheSpec(enabled=True, repository=str(demo["repo"]),
-                                                                  reference_timeout_s=60.0),
+                                                                  reference_timeout_s=60.0, max_end_matches=0),
                         EngineSpec(threads=1, share_weights=False),   # 3 processes on 2 cores: no oversubscription
                         rings=_rings("fault"), seed=SEED, time_available_s=10.0)
     with ProcessPipeline(spec) as pipeline:
-        yield pipeline, Shadow(demo), demo["episode"]
+        yield pipeline, Shadow(demo, spec.cache), demo["episode"]
 
 
 def _frame(episode, i: int):

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from vla_runtime.cache.manager import CacheManager, ManagerConfig
+from vla_runtime.cache.manager import CacheManager
 from vla_runtime.cache.repository import ReferenceRepository
-from vla_runtime.cache.retrieval import RetrievalConfig, first_call_floors
+from vla_runtime.cache.retrieval import first_call_floors
 from vla_runtime.cli import main as cli_main
 from vla_runtime.engine.cached import CacheConfig, CachedEngine
 from vla_runtime.engine.policy import Observation, Pi05Policy
@@ -50,7 +50,9 @@ def _expected(demo: dict, seed: int, **halves: bool) -> list[tuple[np.ndarray, o
     """The same calls through the cached engine and the cache manager, on one model in this process."""
     policy = Pi05Policy.from_checkpoint(demo["checkpoint"], camera_names=list(CAMS))
     repo = ReferenceRepository.open(demo["repo"])
-    manager = CacheManager(policy.engine.model, repo, ManagerConfig(RetrievalConfig(history_len=repo.meta.history_len)))
+    # the cache manager stage's own configuration (fallback rules included)
+    manager = CacheManager(policy.engine.model, repo,
+                           manager_config(CacheSpec(enabled=True, repository=str(demo["repo"])), repo))
     engine = CachedEngine(policy.engine.model, CacheConfig(rho_p=0.4, rho_n=repo.meta.rho_n,
                                                            groups=tuple(tuple(g) for g in repo.meta.mask_groups),
                                                            **halves))

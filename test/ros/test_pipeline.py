@@ -13,12 +13,13 @@ import numpy as np
 import torch
 import yaml
 
-from vla_runtime.cache.manager import CacheManager, ManagerConfig
+from vla_runtime.cache.manager import CacheManager
 from vla_runtime.cache.repository import ReferenceRepository
-from vla_runtime.cache.retrieval import RetrievalConfig
 from vla_runtime.engine.cached import CacheConfig, CachedEngine
 from vla_runtime.engine.policy import Observation, Pi05Policy
 from vla_runtime.io.bags import BagTopics, read_episode
+from vla_runtime.nodes.profile import CacheSpec
+from vla_runtime.nodes.stages import manager_config
 from vla_runtime.testing.scenarios import run_scenario
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,7 +63,7 @@ def test_nodes_publish_the_engines_chunk(ros_demo, tmp_path: Path) -> None:
 
     policy = Pi05Policy.from_checkpoint(ros_demo["checkpoint"], camera_names=cams)
     repo = ReferenceRepository.open(ros_demo["repo"])
-    manager = CacheManager(policy.engine.model, repo, ManagerConfig(RetrievalConfig(history_len=repo.meta.history_len)))
+    manager = CacheManager(policy.engine.model, repo, manager_config(CacheSpec(**profile["cache"]), repo))
     engine = CachedEngine(policy.engine.model, CacheConfig(rho_p=0.4, rho_n=repo.meta.rho_n,
                                                            groups=tuple(tuple(g) for g in repo.meta.mask_groups)))
     manager.start_episode(task)
