@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from .models.checkpoint import CheckpointError
 from .models.config import PRESETS
+from .nodes.profile import CacheSpec
 
 if TYPE_CHECKING:
     from .io.bags import BagTopics
@@ -385,12 +386,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="mean relative action deviation the profiled ratios may cost")
     ev.add_argument("--caches", default="context,action",
                     help="comma-separated halves of the cache the cached mode runs: context, action (ablations)")
-    ev.add_argument("--min-similarity", dest="min_similarity", type=float, default=0.8,
+    ev.add_argument("--min-similarity", dest="min_similarity", type=float, default=CacheSpec.min_similarity,
                     help="fallback threshold of every retrieval (cache.min_similarity)")
     ev.add_argument("--first-scene-floor", dest="first_scene_floor", action="store_true",
                     help="also fall back when an episode's first scene is less similar to the repository than "
                          "any reference's first scene is to the others (cache.first_scene_floor)")
-    ev.add_argument("--max-end-matches", dest="max_end_matches", type=int, default=3,
+    ev.add_argument("--max-end-matches", dest="max_end_matches", type=int, default=CacheSpec.max_end_matches,
                     help="fall back when an episode matches references' last calls more often than this "
                          "(past the references; cache.max_end_matches; 0: no limit)")
     ev.add_argument("--seed", type=int, default=0,

@@ -73,9 +73,9 @@ class EvalSpec:
     profile_episodes: int = 2             # reference episodes per task replayed to profile the ratios
     tolerance: float = 0.05               # mean relative action deviation the profiled ratios may cost
     caches: tuple[str, ...] = CACHES      # which halves of the cache the cached mode runs (ablations)
-    min_similarity: float = 0.8           # fallback: every query (cache.min_similarity)
+    min_similarity: float = CacheSpec.min_similarity    # fallback: every query (the profile's default)
     first_scene_floor: bool = False       # fallback: an episode's first scene below the repository's floor
-    max_end_matches: int = 3              # fallback: more matches to references' last calls (cache.max_end_matches)
+    max_end_matches: int = CacheSpec.max_end_matches    # fallback: past the references (the profile's default)
     reference_timeout_s: float = 60.0
     seed: int = 0                         # policy noise seed
     engine: EngineSpec = field(default_factory=EngineSpec)
