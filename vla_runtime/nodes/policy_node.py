@@ -231,19 +231,19 @@ class PolicyNode(Node):
         self.requested_at.pop(result.request_seq, None)
         latency = time.monotonic() - asked
         try:
-            with self.lock:
+            with self.lock:   # the latency and the call count move together (the diagnostics timer runs concurrently)
+                self.last_latency_s = latency
                 merged = self.controller.on_chunk(result.request_seq, result.chunk, max(self.tick, 0), latency)
                 first, upcoming = self.controller.upcoming(max(self.tick, 0) + 1)
+                self.cached_calls += int(merged and result.cached)
         except (ValueError, RuntimeError) as e:   # never let one chunk stop the node
             self._refuse(f"chunk of request {result.request_seq} not merged: {e}")
             return
-        self.last_latency_s = latency
         if not merged:
             if self.controller.last_rejection:
                 self._refuse(self.controller.last_rejection)
             self._publish_diagnostics()
             return
-        self.cached_calls += int(result.cached)
         self._publish(result.request_seq, self.controller.within_limits(result.chunk), first, upcoming,
                       "cached" if result.cached else "dense")
         self._publish_diagnostics()
@@ -298,6 +298,14 @@ class PolicyNode(Node):
 
     def _publish_diagnostics(self) -> None:
         """Health for rqt / diagnostic_aggregator: latency, holds, safety, watchdog, refusals, cache."""
+        with self.lock:   # one consistent snapshot: calls counted with their latency
+            values = self._diagnostic_values()
+        c = self.controller
+        warn = ("plan stale: holding" if self.tick >= 0 and c.watchdog.is_stale(self.tick) else
+                "plan went stale at least once" if c.watchdog.stale_events else "")
+        self.diag_pub.publish(diagnostic_array(self, "vla_runtime: policy", self.profile.name, values, warn))
+
+    def _diagnostic_values(self) -> dict[str, str]:
         c = self.controller
         values = {"call_latency_s": f"{self.last_latency_s:.4f}",
                   "expected_latency_s": f"{c.scheduler.expected_latency_s():.4f}",
@@ -313,9 +321,7 @@ class PolicyNode(Node):
                   "instruction_changes": str(self.instruction_changes), "task": self.task or "",
                   "last_refusal": self.last_refusal,
                   "plan_stale": str(self.tick >= 0 and c.watchdog.is_stale(self.tick))}
-        warn = ("plan stale: holding" if self.tick >= 0 and c.watchdog.is_stale(self.tick) else
-                "plan went stale at least once" if c.watchdog.stale_events else "")
-        self.diag_pub.publish(diagnostic_array(self, "vla_runtime: policy", self.profile.name, values, warn))
+        return values
 
     def destroy_node(self) -> None:
         if self.gate.close(SHUTDOWN_WAIT_S):
