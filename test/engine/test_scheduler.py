@@ -42,6 +42,16 @@ def test_never_two_calls_in_flight():
         s.on_finished(6, latency_s=0.1)
 
 
+def test_a_chunk_after_its_start_tick_is_late_unless_it_starts_on_arrival():
+    s = _sched(initial_latency_s=0.1)          # expected 5 ticks
+    s.on_started(0)
+    s.on_finished(6, latency_s=0.12)
+    assert s.counters.late == 1
+    s.on_started(10, starts_on_arrival=True)   # a synchronous caller: its chunk starts when it comes
+    s.on_finished(40, latency_s=0.6)
+    assert s.counters.late == 1 and s.counters.finished == 2
+
+
 def test_refuses_stale_observations():
     s = _sched(max_obs_age_s=0.2)
     assert not s.should_start(0, 0, in_flight=False, obs_age_s=0.25)

@@ -8,7 +8,10 @@ import numpy as np
 import pytest
 
 from vla_runtime.engine.stitching import STITCH_MODES, StitchConfig
-from vla_runtime.sim.control_loop import HarnessConfig, LatencySource, Robot, run_harness, spread_events
+from vla_runtime.engine.controller import ControllerConfig
+from vla_runtime.engine.safety import JointLimits
+from vla_runtime.sim.control_loop import (HarnessConfig, LatencySource, Robot, SyncController, run_harness,
+                                          spread_events)
 
 HOME = np.array([0.0, 0.5, 0.45, 0.35, 0.25, 0.15, 1.0])
 TARGETS = (HOME, np.array([0.3, 0.2, 0.1, 0.3, 0.2, 0.1, 0.0]))
@@ -105,6 +108,36 @@ def test_latency_longer_than_the_horizon_still_never_overlaps_calls():
     assert r.concurrent_calls_max == 1 and r.stall_ticks == 0
     for a, b in zip(r.call_records, r.call_records[1:]):
         assert b.call_tick >= a.arrival_tick + 1  # min_execute_ticks = 1
+
+
+def test_sync_controller_calls_on_an_empty_plan_and_executes_n_actions_from_arrival():
+    cfg = ControllerConfig(control_hz=50.0, chunk_size=10, action_dim=2, stitch=StitchConfig(mode="blend"),
+                           predictor="absolute", initial_latency_s=0.04, watchdog_s=0.1)
+    c = SyncController(cfg, JointLimits(np.array([-1.0, -1.0]), np.array([1.0, 1.0])), n_execute=4)
+    c.set_initial(np.zeros(2))
+    req = c.maybe_request(0, np.array([0.1, 0.2]), obs_age_s=0.0)
+    np.testing.assert_array_equal(req.state, [0.1, 0.2])             # the observed state, never predicted
+    chunk = np.linspace(0.0, 0.95, 20).reshape(10, 2)
+    assert c.on_chunk(req.request_seq, chunk, now=30, latency_s=0.6)  # 0.6 s, past the 0.1 s deadline: kept
+    assert c.scheduler.counters.late == 0
+    assert c.maybe_request(30, np.zeros(2), 0.0) is None              # the chunk's part is not used up
+    np.testing.assert_allclose([c.tick(t).action for t in range(30, 34)], chunk[:4])   # from arrival, replaced
+    assert c.tick(34).status == "held"                                # then the robot stands and waits
+    assert c.maybe_request(35, np.zeros(2), 0.0) is not None
+
+
+def test_a_chunk_past_the_watchdog_deadline_is_refused_as_on_the_robot():
+    # The harness runs the policy node's controller: a chunk arriving 0.6 s after its call,
+    # past a 0.3 s deadline, was planned for a world that has moved on and is never executed.
+    r = _run(mode="stream", latency=0.6, watchdog_s=0.3, duration_s=3.0, event_times_s=())
+    assert r.calls > 1 and r.rejected_chunks == r.scheduler["finished"] > 0
+    assert r.safety["held"] == r.total_ticks and all(c.influence_tick is None for c in r.call_records)
+    # Within the deadline every chunk is taken.
+    ok = _run(mode="stream", latency=0.2, watchdog_s=0.3, duration_s=3.0, event_times_s=())
+    assert ok.rejected_chunks == 0 and ok.safety["held"] < ok.total_ticks
+    # A synchronous robot waits for its chunk however long it takes.
+    sync = _run(mode="sync", latency=0.6, watchdog_s=0.3, duration_s=3.0, event_times_s=(), n_execute=25)
+    assert sync.rejected_chunks == 0 and sync.scheduler["late"] == 0 and sync.safety["ok"] > 0
 
 
 def test_jittered_latency_adapts_the_overlap():

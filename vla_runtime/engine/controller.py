@@ -2,7 +2,8 @@
 
 A ``StreamingController`` owns the plan (stitcher), the scheduler, the future-state predictor,
 the watchdog and the safety filter. The policy node drives it from its control timer and its
-"chunk ready" callback; it holds no clock and no I/O, so tests drive it tick by tick.
+"chunk ready" callback, and the simulated control loop (``sim/control_loop.py``) from its
+simulated ticks; it holds no clock and no I/O, so tests drive it tick by tick.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import numpy as np
 
 from .predictor import make_predictor
 from .safety import JointLimits, SafeCommand, SafetyFilter, Watchdog
-from .scheduler import SchedulerConfig, StreamingScheduler
+from .scheduler import SchedulerConfig, StreamingScheduler, seconds_to_ticks
 from .stitching import ActionPlan, StitchConfig
 
 
@@ -39,18 +40,33 @@ class ControllerConfig:
     on_stale: str = "hold"
     stream_horizon: int = 1
     initial_latency_s: float = 0.5
+    margin_ticks: int = 1
+    latency_quantile: float = 0.9
+    latency_window: int = 20
+
+    def scheduler_config(self) -> SchedulerConfig:
+        """The scheduler's share (validated there)."""
+        return SchedulerConfig(control_hz=self.control_hz, chunk_size=self.chunk_size,
+                               max_obs_age_s=self.max_obs_age_s, margin_ticks=self.margin_ticks,
+                               latency_quantile=self.latency_quantile, latency_window=self.latency_window,
+                               initial_latency_s=self.initial_latency_s)
+
+    def plan_capacity(self) -> int:
+        """Ticks the plan must hold: a chunk merged up to a deadline (or expected latency) ahead of
+        the tick being executed, plus the chunk before it, with room to spare."""
+        ahead = max(self.chunk_size, seconds_to_ticks(self.initial_latency_s, self.control_hz),
+                    seconds_to_ticks(self.watchdog_s, self.control_hz))
+        return 2 * self.chunk_size + 4 * ahead + 64
 
 
 class StreamingController:
     def __init__(self, cfg: ControllerConfig, limits: JointLimits):
         self.cfg = cfg
         dt = 1.0 / cfg.control_hz
-        self.plan = ActionPlan(cfg.action_dim, capacity=4 * cfg.chunk_size + 64)
+        self.plan = ActionPlan(cfg.action_dim, capacity=cfg.plan_capacity())
         self.stitcher = cfg.stitch.build()
         self.predictor = make_predictor(cfg.predictor)
-        self.scheduler = StreamingScheduler(SchedulerConfig(
-            control_hz=cfg.control_hz, chunk_size=cfg.chunk_size, max_obs_age_s=cfg.max_obs_age_s,
-            initial_latency_s=cfg.initial_latency_s))
+        self.scheduler = StreamingScheduler(cfg.scheduler_config())
         self.watchdog = Watchdog(cfg.watchdog_s, dt, cfg.on_stale)
         self.safety = SafetyFilter(limits, dt)
         self.in_flight: CallRequest | None = None
@@ -73,11 +89,14 @@ class StreamingController:
         remaining = max(0, min(self.plan.remaining(now), self.horizon_end - now))
         if not self.scheduler.should_start(now, remaining, self.in_flight is not None, obs_age_s):
             return None
+        return self._start(now, observed_state)
+
+    def _start(self, now: int, observed_state: np.ndarray, starts_on_arrival: bool = False) -> CallRequest:
         start = self.scheduler.start_tick(now)
         state = self.predictor.predict(np.asarray(observed_state, dtype=np.float64), self.plan, now, start)
         req = CallRequest(self._seq, now, start, np.asarray(state, dtype=np.float64))
         self._seq += 1
-        self.scheduler.on_started(now, start)
+        self.scheduler.on_started(now, start, starts_on_arrival=starts_on_arrival)
         self.in_flight = req
         return req
 
@@ -99,7 +118,7 @@ class StreamingController:
             why = f"chunk of call {request_seq} has shape {arr.shape}, expected [C, {self.cfg.action_dim}]"
         elif not np.isfinite(arr).all():
             why = f"chunk of call {request_seq} contains NaN/Inf"
-        elif (now - req.now) / self.cfg.control_hz > self.cfg.watchdog_s:
+        elif self._past_deadline(req, now):
             why = (f"chunk of call {request_seq} arrived {(now - req.now) / self.cfg.control_hz:.3f} s after its call "
                    f"started, past the {self.cfg.watchdog_s} s deadline: not executed")
         self.in_flight = None
@@ -109,10 +128,16 @@ class StreamingController:
             self.rejected += 1
             self.last_rejection = why
             return False
-        self.stitcher.merge(self.plan, arr, req.start_tick, now, freeze=self.cfg.stitch.freeze_steps or 0)
-        self.horizon_end = req.start_tick + self.cfg.stream_horizon
+        self._merge(req, arr, now)
         self.watchdog.on_chunk(now)
         return True
+
+    def _past_deadline(self, req: CallRequest, now: int) -> bool:
+        return (now - req.now) / self.cfg.control_hz > self.cfg.watchdog_s
+
+    def _merge(self, req: CallRequest, chunk: np.ndarray, now: int) -> None:
+        self.stitcher.merge(self.plan, chunk, req.start_tick, now, freeze=self.cfg.stitch.freeze_steps or 0)
+        self.horizon_end = req.start_tick + self.cfg.stream_horizon
 
     def abandon(self, now: int) -> None:
         """The call in flight will never return (vision restarted, slot overwritten): forget it."""

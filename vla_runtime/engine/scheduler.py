@@ -146,12 +146,15 @@ class StreamingScheduler:
 
     # -- events -----------------------------------------------------------------------------
 
-    def on_started(self, now: int, start_tick: int | None = None) -> None:
-        """A call began at ``now`` (its chunk is meant to start at ``start_tick``)."""
+    def on_started(self, now: int, start_tick: int | None = None, *, starts_on_arrival: bool = False) -> None:
+        """A call began at ``now`` (its chunk is meant to start at ``start_tick``, by default the
+        expected latency ahead). ``starts_on_arrival``: a synchronous caller's chunk starts
+        whenever it arrives, so it is never late."""
         if self.in_flight:
             raise RuntimeError(f"a call started at tick {self._in_flight_since} is still in flight")
         self._in_flight_since = int(now)
-        self._pending_start_tick = self.start_tick(now) if start_tick is None else int(start_tick)
+        self._pending_start_tick = None if starts_on_arrival else \
+            self.start_tick(now) if start_tick is None else int(start_tick)
         self.counters.started += 1
 
     def on_finished(self, now: int, latency_s: float) -> None:

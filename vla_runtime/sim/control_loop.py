@@ -9,7 +9,9 @@ time of the real engine, or an injected constant / jittered value), and its chun
 available at the first tick at or after ``call tick + latency``. The engine (or a cheap
 stand-in ``chunk_fn``) is still run for its actions, at call start.
 
-One tick, in order:
+The decisions are the policy node's own: stream mode drives ``engine.controller.StreamingController``
+(the class the node drives from its timer), sync mode its subclass :class:`SyncController`, so a
+change to the controller shows in these figures. One tick, in order:
 
 1. a call whose simulated completion has come is merged into the plan (stitcher), the
    scheduler learns its latency, the watchdog learns a fresh chunk arrived;
@@ -38,10 +40,11 @@ from typing import Callable, Sequence, Union
 
 import numpy as np
 
-from ..engine.predictor import PREDICTORS, ObservedState, make_predictor
-from ..engine.safety import JointLimits, SafetyFilter, Watchdog
-from ..engine.scheduler import SchedulerConfig, StreamingScheduler, seconds_to_ticks
-from ..engine.stitching import ActionPlan, ReplaceStitcher, StitchConfig, boundary_jerk
+from ..engine.controller import CallRequest, ControllerConfig, StreamingController
+from ..engine.predictor import PREDICTORS
+from ..engine.safety import JointLimits
+from ..engine.scheduler import seconds_to_ticks
+from ..engine.stitching import StitchConfig, boundary_jerk
 from ..engine.timing import summarize
 
 HARNESS_MODES = ("sync", "stream")
@@ -130,8 +133,9 @@ class HarnessConfig:
             _positive(self.watchdog_s, "watchdog_s")
         if (self.joint_lower is None) != (self.joint_upper is None):
             raise ValueError("give both joint_lower and joint_upper, or neither")
-        # The remaining scheduler fields are validated by SchedulerConfig in scheduler_config().
-        self.scheduler_config(chunk_size=1)
+        # The remaining scheduler fields are validated by SchedulerConfig.
+        initial = self.initial_latency_s if self.initial_latency_s is not None else 0.1
+        self.controller_config(chunk_size=1, action_dim=1, n_execute=1, initial_latency_s=initial).scheduler_config()
 
     @property
     def dt(self) -> float:
@@ -141,13 +145,16 @@ class HarnessConfig:
     def total_ticks(self) -> int:
         return int(round(self.duration_s * self.control_hz))
 
-    def scheduler_config(self, chunk_size: int) -> SchedulerConfig:
-        initial = self.initial_latency_s
-        if initial is None:
-            initial = _latency_mean(self.latency) if self.latency != "measured" else 0.1
-        return SchedulerConfig(control_hz=self.control_hz, chunk_size=chunk_size, max_obs_age_s=self.max_obs_age_s,
-                               margin_ticks=self.margin_ticks, latency_quantile=self.latency_quantile,
-                               latency_window=self.latency_window, initial_latency_s=initial)
+    def controller_config(self, chunk_size: int, action_dim: int, n_execute: int,
+                          initial_latency_s: float) -> ControllerConfig:
+        """The controller this run simulates (the policy node's, with the harness's knobs)."""
+        return ControllerConfig(
+            control_hz=self.control_hz, chunk_size=chunk_size, action_dim=action_dim, stitch=self.stitch,
+            predictor=self.predictor, max_obs_age_s=self.max_obs_age_s,
+            watchdog_s=self.watchdog_s if self.watchdog_s is not None else 2 * chunk_size * self.dt,
+            stream_horizon=self.stream_horizon or n_execute, initial_latency_s=initial_latency_s,
+            margin_ticks=self.margin_ticks, latency_quantile=self.latency_quantile,
+            latency_window=self.latency_window)
 
 
 def _check_latency(latency: Latency) -> None:
@@ -290,6 +297,7 @@ class HarnessResult:
     concurrent_calls_max: int
     late_chunks: int              # arrived after the tick they were meant to start at
     chunks_ready_in_time: int     # (after the first) arrived before the plan ran out
+    rejected_chunks: int          # refused by the controller, never executed (past its deadline, NaN, shape)
     commands: np.ndarray          # [total_ticks, A] executed commands
     states: np.ndarray            # [total_ticks + 1, S] robot states
     stalled: np.ndarray           # [total_ticks] bool
@@ -307,12 +315,39 @@ class HarnessResult:
                 "boundary_jerk": jerk, "calls": self.calls, "latency_s": self.latency_s, "wall_s": self.wall_s,
                 "max_obs_age_used_s": self.max_obs_age_used_s, "concurrent_calls_max": self.concurrent_calls_max,
                 "late_chunks": self.late_chunks, "chunks_ready_in_time": self.chunks_ready_in_time,
+                "rejected_chunks": self.rejected_chunks,
                 "safety": self.safety, "watchdog": self.watchdog, "scheduler": self.scheduler}
 
 
 # ------------------------------------------------------------------------------------------
 # The loop
 # ------------------------------------------------------------------------------------------
+
+
+class SyncController(StreamingController):
+    """The sync baseline on the streaming controller's plan, watchdog and safety filter: call
+    only when the executed part of the last chunk is used up, on the observed state, and merge
+    the chunk's first ``n_execute`` actions from the tick it arrives (the robot stands still
+    meanwhile). A synchronous robot waits for its chunk however long it takes, so there is no
+    deadline on a chunk (the watchdog still holds an empty or stale plan)."""
+
+    def __init__(self, cfg: ControllerConfig, limits: JointLimits, n_execute: int):
+        super().__init__(dataclasses.replace(cfg, stitch=StitchConfig(mode="replace"), predictor="observed"), limits)
+        self.n_execute = n_execute
+
+    def maybe_request(self, now: int, observed_state: np.ndarray, obs_age_s: float) -> CallRequest | None:
+        if self.in_flight is not None or self.plan.remaining(now) > 0:
+            return None
+        if obs_age_s > self.cfg.max_obs_age_s + 1e-9:
+            self.scheduler.counters.skipped_stale_obs += 1
+            return None
+        return self._start(now, observed_state, starts_on_arrival=True)
+
+    def _past_deadline(self, req: CallRequest, now: int) -> bool:
+        return False
+
+    def _merge(self, req: CallRequest, chunk: np.ndarray, now: int) -> None:
+        self.stitcher.merge(self.plan, chunk[:self.n_execute], now, now)
 
 
 @dataclass
@@ -413,31 +448,26 @@ def run_harness(cfg: HarnessConfig, policy: object | None = None, chunk_fn: Chun
     if n_execute > chunk_size:
         raise ValueError(f"n_execute {n_execute} exceeds the chunk size {chunk_size}")
 
-    sched_cfg = cfg.scheduler_config(chunk_size)
-    if cfg.latency == "measured" and warm_lat and cfg.initial_latency_s is None:
-        sched_cfg = dataclasses.replace(sched_cfg, initial_latency_s=float(max(warm_lat)))
-    scheduler = StreamingScheduler(sched_cfg)
-    latency_src = LatencySource(cfg.latency, seed=cfg.seed)
-    stream = cfg.mode == "stream"
-    stitcher = cfg.stitch.build() if stream else ReplaceStitcher()
-    predictor = make_predictor(cfg.predictor) if stream else ObservedState()
-    obs_delay_ticks = seconds_to_ticks(cfg.obs_delay_s, cfg.control_hz)
-
-    lat_ticks_max = seconds_to_ticks(max(sched_cfg.initial_latency_s, _latency_mean(cfg.latency) if not
-                                         latency_src.measured else 0.0), cfg.control_hz)
-    plan = ActionPlan(action_dim, capacity=2 * chunk_size + 4 * lat_ticks_max + 64)
+    initial_latency = cfg.initial_latency_s
+    if initial_latency is None:
+        initial_latency = float(max(warm_lat)) if cfg.latency == "measured" and warm_lat else \
+            _latency_mean(cfg.latency) if cfg.latency != "measured" else 0.1
+    ctrl_cfg = cfg.controller_config(chunk_size, action_dim, n_execute, initial_latency)
     lower = np.asarray(cfg.joint_lower if cfg.joint_lower is not None else [-math.pi] * action_dim, dtype=np.float64)
     upper = np.asarray(cfg.joint_upper if cfg.joint_upper is not None else [math.pi] * action_dim, dtype=np.float64)
     vmax = None if cfg.max_velocity is None else np.asarray(cfg.max_velocity, dtype=np.float64)
-    safety = SafetyFilter(JointLimits(lower, upper, vmax), dt)
+    limits = JointLimits(lower, upper, vmax)
+    stream = cfg.mode == "stream"
+    controller = StreamingController(ctrl_cfg, limits) if stream else SyncController(ctrl_cfg, limits, n_execute)
     init_cmd = np.zeros(action_dim)
     init_cmd[:state_dim] = init
-    safety.set_initial(init_cmd)
-    watchdog = Watchdog(cfg.watchdog_s if cfg.watchdog_s is not None else 2 * chunk_size * dt, dt)
+    controller.set_initial(init_cmd)
+    plan = controller.plan
+    latency_src = LatencySource(cfg.latency, seed=cfg.seed)
+    obs_delay_ticks = seconds_to_ticks(cfg.obs_delay_s, cfg.control_hz)
 
     records: list[CallRecord] = []
     in_flight: _InFlight | None = None
-    horizon_end = 0                      # stream: where the current chunk's execution horizon ends
     pending_sources: list[tuple[int, int]] = []   # (influence tick, call id), in merge order
     source = -1                          # call the executed action came from (-1: none yet)
     first_exec: int | None = None
@@ -447,59 +477,39 @@ def run_harness(cfg: HarnessConfig, policy: object | None = None, chunk_fn: Chun
     concurrent_max = 0
 
     def collect(now: int) -> None:
-        nonlocal in_flight, horizon_end
+        """Hand a call whose simulated completion has come to the controller; note where (and
+        whether) its chunk first takes effect, for the reaction latency and the boundary jerk."""
+        nonlocal in_flight
         if in_flight is None or in_flight.record.arrival_tick > now:
             return
         rec, chunk = in_flight.record, in_flight.chunk
-        if chunk.shape[1] != action_dim:
-            raise ValueError(f"chunk has {chunk.shape[1]} action values, expected {action_dim}")
+        in_flight = None
         rec.plan_remaining_at_arrival = plan.remaining(now)
         first = max(rec.start_tick, now, (plan.last_popped_tick + 1) if plan.last_popped_tick is not None else now)
-        if stream:
-            freeze = cfg.stitch.freeze_steps or 0
-            if cfg.stitch.mode == "freeze" and freeze:
-                _, present = plan.read(first, first + freeze)
-                lead = int(np.argmin(present)) if not present.all() else len(present)
-                first += lead
-            stitcher.merge(plan, chunk, rec.start_tick, now, freeze=freeze)
-            horizon_end = rec.start_tick + (cfg.stream_horizon or n_execute)
-        else:
-            stitcher.merge(plan, chunk[:n_execute], rec.start_tick, now)
-        if first <= rec.start_tick + chunk.shape[0] - 1:
+        freeze = cfg.stitch.freeze_steps or 0
+        if stream and cfg.stitch.mode == "freeze" and freeze:
+            _, present = plan.read(first, first + freeze)
+            first += int(np.argmin(present)) if not present.all() else len(present)
+        if controller.on_chunk(rec.call_id, chunk, now, rec.latency_s) and first <= rec.start_tick + len(chunk) - 1:
             rec.influence_tick = first
             pending_sources.append((first, rec.call_id))
-        scheduler.on_finished(now, rec.latency_s)
-        watchdog.on_chunk(now)
-        in_flight = None
 
     def maybe_start(now: int) -> None:
         nonlocal in_flight
         obs_tick = now - obs_delay_ticks   # before tick 0 the robot stood at its initial state
-        obs_age = obs_delay_ticks * dt
-        if stream:
-            remaining = max(0, min(plan.remaining(now), horizon_end - now))
-            if not scheduler.should_start(now, remaining, in_flight is not None, obs_age):
-                return
-            start_tick = scheduler.start_tick(now)
-        else:
-            if in_flight is not None or plan.remaining(now) > 0:
-                return
-            if obs_age > cfg.max_obs_age_s + 1e-9:
-                scheduler.counters.skipped_stale_obs += 1
-                return
-            start_tick = now  # filled in at arrival: sync executes action 0 when it arrives
         observed = robot.state_at(obs_tick)
+        req = controller.maybe_request(now, observed, obs_delay_ticks * dt)
+        if req is None:
+            return
         obs = caller.observe(obs_tick, observed, phase_at(obs_tick * dt), obs_tick * dt)
-        prompt_state = predictor.predict(observed, plan, now, start_tick)
-        call_id = len(records)
-        chunk, wall = caller(obs, prompt_state, call_id)
+        chunk, wall = caller(obs, req.state, req.request_seq)
+        if chunk.shape[1] != action_dim:
+            raise ValueError(f"chunk has {chunk.shape[1]} action values, expected {action_dim}")
         latency = latency_src.duration(wall)
         arrival = now + seconds_to_ticks(latency, cfg.control_hz)
-        if not stream:
-            start_tick = arrival
-        rec = CallRecord(call_id, now, obs_tick, start_tick, arrival, latency, wall)
+        start_tick = req.start_tick if stream else arrival   # sync executes action 0 when it arrives
+        rec = CallRecord(req.request_seq, now, obs_tick, start_tick, arrival, latency, wall)
         records.append(rec)
-        scheduler.on_started(now, start_tick)
         in_flight = _InFlight(rec, chunk)
 
     for now in range(total):
@@ -507,13 +517,10 @@ def run_harness(cfg: HarnessConfig, policy: object | None = None, chunk_fn: Chun
         maybe_start(now)
         collect(now)  # a zero-latency call is available at once
         concurrent_max = max(concurrent_max, 0 if in_flight is None else 1)
-        action = plan.pop(now)
-        if not watchdog.check(now):
-            action = None
-        command = safety.filter(action, now)
+        command = controller.tick(now)
         while pending_sources and pending_sources[0][0] <= now:
             source = pending_sources.pop(0)[1]
-        executed = action is not None and command.status != "held"
+        executed = command.status != "held"
         if executed:
             first_exec = now if first_exec is None else first_exec
             exec_source[now] = source
@@ -542,6 +549,7 @@ def run_harness(cfg: HarnessConfig, policy: object | None = None, chunk_fn: Chun
     jerk = boundary_jerk(commands, dt, boundaries) if total >= 4 else {}
     ready = sum(1 for r in merged[1:] if (r.plan_remaining_at_arrival or 0) > 0)
     done = [r for r in records if r.arrival_tick < total]
+    wd = controller.watchdog
     return HarnessResult(
         mode=cfg.mode, stitch=cfg.stitch.mode if stream else "none", predictor=cfg.predictor if stream else "observed",
         control_hz=cfg.control_hz, total_ticks=total, warmup_ticks=warmup, ticks=len(measured),
@@ -551,8 +559,8 @@ def run_harness(cfg: HarnessConfig, policy: object | None = None, chunk_fn: Chun
         latency_s=summarize([r.latency_s for r in done]), wall_s=summarize([r.wall_s for r in records]),
         max_obs_age_used_s=max(((r.call_tick - r.obs_tick) * dt for r in records), default=0.0),
         concurrent_calls_max=concurrent_max, late_chunks=sum(1 for r in done if r.arrival_tick > r.start_tick),
-        chunks_ready_in_time=ready, commands=commands, states=np.stack(robot.history), stalled=stalled,
-        safety=dict(safety.counts),
-        watchdog={"deadline_ticks": watchdog.deadline_ticks, "held_ticks": watchdog.held_ticks,
-                  "stale_events": watchdog.stale_events, "max_age_ticks": watchdog.max_age_ticks},
-        scheduler=dict(scheduler.counters.__dict__))
+        chunks_ready_in_time=ready, rejected_chunks=controller.rejected, commands=commands, states=np.stack(robot.history), stalled=stalled,
+        safety=dict(controller.safety.counts),
+        watchdog={"deadline_ticks": wd.deadline_ticks, "held_ticks": wd.held_ticks,
+                  "stale_events": wd.stale_events, "max_age_ticks": wd.max_age_ticks},
+        scheduler=dict(controller.scheduler.counters.__dict__))
