@@ -12,6 +12,7 @@ from vla_runtime.cache.retrieval import (
     Retriever,
     TaskPacks,
     candidates_from_repository,
+    fallback_rule,
     first_call_floors,
 )
 
@@ -271,3 +272,11 @@ def test_first_call_floors_is_the_least_similar_first_scene_leaving_its_episode_
     # The own episode is left out (e0's first call is identical to itself), and a task with one
     # episode gets no floor.
     assert floors == {TASK: pytest.approx(c, abs=2e-3)}
+
+
+def test_fallback_rule_words_each_part_that_is_on():
+    assert fallback_rule(0.8, None) == "a best visual similarity below 0.8"
+    assert fallback_rule(0.8, {}).endswith("no first-scene floor (no task has two reference episodes)")
+    assert "a first scene below the floor of 'open drawer' 0.99712" in fallback_rule(0.8, {"open drawer": 0.997123})
+    assert fallback_rule(0.8, None, 1).endswith("; more than 1 match to a reference's last call (past the references)")
+    assert fallback_rule(0.8, None, 3).endswith("; more than 3 matches to a reference's last call (past the references)")

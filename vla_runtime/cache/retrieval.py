@@ -380,7 +380,8 @@ def fallback_rule(min_similarity: float, floors: Mapping[str, float] | None, max
     elif floors is not None:
         rule += "; a first scene below the floor of " + ", ".join(f"{t!r} {v:.5f}" for t, v in floors.items())
     if max_end_matches:
-        rule += f"; more than {max_end_matches} matches to a reference's last call (past the references)"
+        matches = "match" if max_end_matches == 1 else "matches"
+        rule += f"; more than {max_end_matches} {matches} to a reference's last call (past the references)"
     return rule
 
 
