@@ -16,7 +16,11 @@ so a run cut short still leaves what it measured. Checks:
 - ``latency``: full-size pi0.5 (random weights, bf16) with 1/2/3 cameras: per-phase medians of the
   dense engine and of the cached engine (Context + Action Cache against a reference recorded from
   a nearby observation) with the torch fallbacks and with the CUDA kernels, action deviation, and
-  peak GPU memory of each.
+  peak GPU memory of each;
+- ``trained``: the same figures for the bundled trained checkpoint (``checkpoints/pi05-mw-metaworld``,
+  the closed-loop policy of issue 6) at its cameras and at the closed-loop evaluation's ratios
+  (rho_p 0.6, rho_n 0.75): what its cached/dense per-call ratio is on a GPU, where the closed loop
+  on the CPU measured 0.96-0.97x.
 
 ``--cpu-dry-run`` runs the same code on CPU with the tiny preset up to where a device is needed
 (kernels: the fallbacks only; IPC: the host backend; latency: pi05-tiny in fp32) and lists in
@@ -49,8 +53,10 @@ from vla_runtime import kernels  # noqa: E402
 from vla_runtime.kernels import launch  # noqa: E402
 
 SCHEMA = 1
-CHECKS = ("environment", "kernels", "ipc", "latency")
-NEEDS_DEVICE = ("kernels", "ipc", "latency")  # what a CPU dry run cannot measure
+CHECKS = ("environment", "kernels", "ipc", "latency", "trained")
+NEEDS_DEVICE = ("kernels", "ipc", "latency", "trained")  # what a CPU dry run cannot measure
+TRAINED = ROOT / "checkpoints" / "pi05-mw-metaworld"
+TRAINED_RATIOS = (0.6, 0.75)   # rho_p, rho_n of the closed-loop evaluation (the model card's)
 # Max |kernel - fallback| relative to max |fallback| accepted per dtype: a few units in the last
 # place of the activation dtype (the kernels round where the torch path rounds; only summation
 # order differs), and summation-order noise for fp32.
@@ -467,29 +473,44 @@ def latency_for_cameras(model, dense, cached, cams: int, plan: Plan, kernel_ok: 
     return row
 
 
-def build_engines(plan: Plan):
-    """The model (random weights, the bench's builder) and both engines, built before any call:
-    each engine (re)allocates the model's caches, and a captured CUDA graph must see the final ones."""
+def build_engines(plan: Plan, checkpoint: Path | None = None, ratios: tuple[float, float] = (0.4, 0.5)):
+    """The model (random weights of the plan's preset, or ``checkpoint``; the bench's builder) and
+    both engines, built before any call: each engine (re)allocates the model's caches, and a
+    captured CUDA graph must see the final ones."""
     from vla_runtime.engine.cached import CacheConfig, CachedEngine
     from vla_runtime.engine.dense import DenseEngine
     from vla_runtime.tools.bench import BenchSpec, build_model
 
-    spec = BenchSpec(preset=plan.preset, dtype=plan.dtype, device=plan.device)
+    spec = BenchSpec(preset=plan.preset, dtype=plan.dtype, device=plan.device,
+                     checkpoint=str(checkpoint) if checkpoint else None)
     model, _ = build_model(spec, log=lambda m: print(f"[gpu-checks] {m}", file=sys.stderr, flush=True))
     dense = DenseEngine(model)
-    cached = CachedEngine(model, CacheConfig(rho_p=0.4, rho_n=0.5))
+    cached = CachedEngine(model, CacheConfig(rho_p=ratios[0], rho_n=ratios[1]))
     return model, dense, cached
 
 
 def check_latency(plan: Plan, report: Report) -> dict:
+    return _latency(plan, report, "latency", plan.cameras)
+
+
+def check_trained(plan: Plan, report: Report) -> dict:
+    if not (TRAINED / "config.json").is_file():
+        return {"failed": f"no bundled checkpoint at {TRAINED}"}
+    return _latency(plan, report, "trained", None, TRAINED, TRAINED_RATIOS)
+
+
+def _latency(plan: Plan, report: Report, name: str, cameras: list[int] | None, checkpoint: Path | None = None,
+             ratios: tuple[float, float] = (0.4, 0.5)) -> dict:
+    """Dense vs cached per camera count (``None``: the model's own number of cameras)."""
     t0 = time.monotonic()
-    model, dense, cached = build_engines(plan)
+    model, dense, cached = build_engines(plan, checkpoint, ratios)
     with kernels.use_backend("auto"):
         kernel_ok = not plan.dry_run and kernels.kernel_backend().name == "cupy"
-    out: dict[str, Any] = {"preset": plan.preset, "dtype": plan.dtype, "device": plan.device,
+    out: dict[str, Any] = {"preset": str(checkpoint) if checkpoint else plan.preset, "dtype": plan.dtype,
+                           "device": plan.device, "rho_p": ratios[0], "rho_n": ratios[1],
                            "model_build_s": time.monotonic() - t0, "cuda_graphs_requested": dense.cuda_graphs,
                            "kernels_compared": kernel_ok, "configs": [], "errors": []}
-    for cams in plan.cameras:
+    for cams in cameras or [model.cfg.num_cameras]:
         if cams > model.cfg.num_cameras:
             out["errors"].append(f"{cams} cameras: the model takes at most {model.cfg.num_cameras}")
             continue
@@ -497,7 +518,7 @@ def check_latency(plan: Plan, report: Report) -> dict:
             out["errors"].append(f"{cams} cameras: skipped, time budget used up")
             continue
         out["configs"].append(latency_for_cameras(model, dense, cached, cams, plan, kernel_ok))
-        report.record("latency", {"status": "running", "result": out})  # partial figures survive a timeout
+        report.record(name, {"status": "running", "result": out})  # partial figures survive a timeout
     out["cuda_graphs_used"] = {"dense": dense.cuda_graphs, "cached": cached.cuda_graphs}
     if out["errors"]:
         out["failed"] = "; ".join(out["errors"])
@@ -511,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
     report = Report(plan)
     torch.manual_seed(0)
     for name, fn in (("environment", check_environment), ("kernels", check_kernels), ("ipc", check_ipc),
-                     ("latency", check_latency)):
+                     ("latency", check_latency), ("trained", check_trained)):
         run_check(report, name, fn)
     report.write()
     print(f"[gpu-checks] {'OK' if report.data['ok'] else 'FAILED'}: {report.path} ({report.elapsed():.0f} s)",

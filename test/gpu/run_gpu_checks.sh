@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One-shot GPU checks of issue 7 (test/gpu/gpu_checks.py): CUDA kernels vs their torch fallbacks,
 # the ring buffer's CUDA IPC backend across processes, and full-size pi0.5 (random weights, bf16,
-# 1/2/3 cameras) per-phase latency dense vs cached with peak memory. Writes gpu_checks.json into
+# 1/2/3 cameras) per-phase latency dense vs cached with peak memory, and the same for the bundled
+# trained checkpoint (checkpoints/pi05-mw-metaworld). Writes gpu_checks.json into
 # --out DIR, else $OUT, else out/gpu_checks. Sized for a few minutes on one H100/H200-class GPU; the
 # Python side stops starting new work after --budget-s (420 s) and this wrapper kills it at 470 s,
 # so the whole run stays under 8 minutes.

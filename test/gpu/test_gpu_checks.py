@@ -31,8 +31,8 @@ def dry_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def test_dry_run_document_says_what_needs_a_device(dry_run):
     assert dry_run["schema"] == 1 and dry_run["mode"] == "cpu-dry-run" and dry_run["ok"] is True
-    assert dry_run["needs_device"] == ["kernels", "ipc", "latency"]
-    assert set(dry_run["checks"]) == {"environment", "kernels", "ipc", "latency"}
+    assert dry_run["needs_device"] == ["kernels", "ipc", "latency", "trained"]
+    assert set(dry_run["checks"]) == {"environment", "kernels", "ipc", "latency", "trained"}
     assert dry_run["checks"]["environment"]["status"] == "ok"
     for name in dry_run["needs_device"]:
         assert dry_run["checks"][name]["status"] == "needs_device", dry_run["checks"][name]
@@ -70,6 +70,15 @@ def test_dry_run_latency_has_dense_and_cached_phases(dry_run):
         assert config["cached_torch"]["referenced"] is True and config["dense"]["referenced"] is False
         assert config["deviation"]["cached_torch_vs_dense_relative_l2"] < 0.5
         assert "cached_cupy" not in config
+
+
+def test_dry_run_times_the_bundled_trained_checkpoint_at_the_evaluation_ratios(dry_run):
+    trained = dry_run["checks"]["trained"]["result"]
+    assert trained["preset"].endswith("pi05-mw-metaworld") and (trained["rho_p"], trained["rho_n"]) == (0.6, 0.75)
+    [config] = trained["configs"]
+    assert config["cameras"] == 2        # the checkpoint's own cameras (Meta-World's corner and topview)
+    assert set(config["speedup_vs_dense"]["cached_torch"]) >= {"prefill", "denoise", "total"}
+    assert config["cached_torch"]["referenced"] is True
 
 
 def test_comparison_on_cpu_tensors_reports_that_no_kernel_ran():
