@@ -113,6 +113,15 @@ class AlohaTask:
         assert self._state is not None, "call reset() first"
         return self._state.astype(np.float32)
 
+    @property
+    def physics(self) -> Any:
+        """dm_control's physics (MuJoCo model and data): for a scripted expert, never the policy."""
+        return self._env.physics
+
+    def object_position(self) -> np.ndarray:
+        """World position of the task's object (the cube; the peg for insertion), privileged."""
+        return np.array(self._env.physics.named.data.qpos[16:19], np.float64)
+
     def step(self, action: np.ndarray) -> AlohaStep:
         a = np.asarray(action, np.float64)
         if a.shape != (STATE_DIM,) or not np.isfinite(a).all():

@@ -37,9 +37,10 @@ from typing import Callable
 
 import numpy as np
 
-from ..io.bags import BagTopics, Episode, EpisodeFrame, JointSeries, write_episode_bag
+from ..io.bags import BagTopics, write_episode_bag
 from ..sim.metaworld_env import (ACTION_NAMES, CONTROL_DT, DEFAULT_CAMERAS, DEFAULT_TASKS, STATE_NAMES,
                                  MetaWorldConfig, MetaWorldTask, scripted_expert)
+from .recording import Driver, Rollout, record_rollout
 
 ACTION_TOPIC = "/action_command"
 MANIFEST = "demos.json"
@@ -58,10 +59,6 @@ def keeps_failed_episodes(bag: Path, root: Path) -> bool:
         if d == root:
             break
     return False
-
-# A driver for DAgger: (images, state, instruction) -> a chunk of actions [chunk, >= 4].
-Driver = Callable[[dict[str, np.ndarray], np.ndarray, str], np.ndarray]
-
 
 @dataclass(frozen=True)
 class DemoConfig:
@@ -104,62 +101,19 @@ def bag_topics(cameras: tuple[str, ...]) -> BagTopics:
                      instruction="/instruction", outcome="/episode_outcome", joint_names=STATE_NAMES)
 
 
-@dataclass
-class Rollout:
-    """One expert episode in memory: frames at call points, actions at every step."""
-
-    episode: Episode
-    actions: JointSeries
-    steps: int
-
-
 def record_episode(env: MetaWorldTask, seed: int, call_every: int, tail_steps: int,
                    driver: Driver | None = None, beta: float = 0.0) -> Rollout:
-    """One episode from ``seed``'s pose, frames every ``call_every`` steps, the expert's action
-    recorded at every step. Without ``driver`` the expert also acts; with one (DAgger) the
-    driver's chunk is executed, except on calls the expert takes over (probability ``beta``,
-    or when the chunk is not finite)."""
-    expert = scripted_expert(env.cfg.task)
-    rng = np.random.default_rng(seed)
-    dt = CONTROL_DT
-    state = env.reset(seed)
-    frames: list[EpisodeFrame] = []
-    times: list[float] = []
-    actions: list[np.ndarray] = []
-    plan: np.ndarray | None = None
-    success, step = False, 0
+    """One episode from ``seed``'s pose, frames every ``call_every`` steps, Meta-World's scripted
+    expert's action (clipped to the action box) recorded at every step; with ``driver`` (DAgger)
+    the policy acts except on calls the expert takes over (``tools.recording.record_rollout``)."""
+    def expert() -> Callable[[], np.ndarray]:
+        policy = scripted_expert(env.cfg.task)
+        return lambda: np.clip(np.asarray(policy.get_action(env.full_observation), np.float64), -1.0, 1.0)
 
-    def label() -> np.ndarray:
-        return np.clip(np.asarray(expert.get_action(env.full_observation), np.float64), -1.0, 1.0)
-
-    while True:
-        if step % call_every == 0:
-            images = env.render()
-            frames.append(EpisodeFrame(t=(step // call_every) * call_every * dt, images=images, state=state))
-            plan = None
-            if driver is not None and rng.random() >= beta:
-                chunk = np.asarray(driver(images, state, env.instruction), np.float64)[:call_every, :len(ACTION_NAMES)]
-                plan = np.clip(chunk, -1.0, 1.0) if np.isfinite(chunk).all() else None
-        action = label()
-        times.append(step * dt)
-        actions.append(action)
-        result = env.step(action if plan is None or step % call_every >= len(plan) else plan[step % call_every])
-        state, step = result.state, step + 1
-        if result.done:
-            success = result.success
-            break
-    for _ in range(tail_steps if success else 0):   # actions after success: complete chunks
-        action = label()
-        times.append(step * dt)
-        actions.append(action)
-        env.step(action)
-        step += 1
-    source = f"sim:metaworld:{env.cfg.task}:seed={seed}"
-    if driver is not None:
-        source += f":dagger:beta={beta}"
-    ep = Episode(episode_id=f"{env.cfg.task}_s{seed}", task=env.instruction, success=success, frames=frames,
-                 source=source)
-    return Rollout(ep, JointSeries(np.asarray(times), np.stack(actions), ACTION_NAMES), step)
+    source = f"sim:metaworld:{env.cfg.task}:seed={seed}" + (f":dagger:beta={beta}" if driver is not None else "")
+    return record_rollout(env, seed, expert, call_every=call_every, tail_steps=tail_steps, dt=CONTROL_DT,
+                          action_names=ACTION_NAMES, episode_id=f"{env.cfg.task}_s{seed}", source=source,
+                          driver=driver, beta=beta, bounds=(-1.0, 1.0))
 
 
 def policy_driver(cfg: DemoConfig) -> tuple[Driver, Callable[[], None]]:

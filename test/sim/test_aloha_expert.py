@@ -1,0 +1,66 @@
+"""The scripted transfer-cube expert: joint targets from task-space waypoints through inverse
+kinematics hand the cube over on gym-aloha's own success signal, wherever the cube starts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vla_runtime.sim.aloha_env import STATE_DIM, AlohaSimConfig, AlohaTask
+from vla_runtime.sim.aloha_expert import ArmIK, TransferCubeExpert, Waypoint, frame, interpolate
+
+
+@pytest.fixture(scope="module")
+def env():
+    with AlohaTask(AlohaSimConfig(image_size=16)) as e:
+        yield e
+
+
+@pytest.mark.parametrize("seed", [0, 7, 31])
+def test_the_expert_hands_the_cube_over(env, seed):
+    env.reset(seed)
+    expert = TransferCubeExpert(env)
+    expert.reset()
+    lifted = False
+    while True:
+        action = expert.action()
+        assert action.shape == (STATE_DIM,) and np.isfinite(action).all()
+        assert 0.0 <= action[6] <= 1.0 and 0.0 <= action[13] <= 1.0
+        step = env.step(action)
+        lifted = lifted or step.reward == 2          # the right arm alone holds it off the table
+        if step.done:
+            break
+    assert step.success and lifted and env.steps < 350
+
+
+def test_ik_reaches_a_reachable_pose_and_keeps_the_joint_ranges(env):
+    env.reset(0)
+    ik = ArmIK(env.physics)
+    q0 = np.asarray(env.state()[7:13], np.float64)
+    target, rot = np.array([0.1, 0.45, 0.1]), frame([-0.5, 0.0, -1.0], [0.0, -1.0, 0.0])
+    q = ik.solve("right", q0, target, rot)
+    point, got = ik.pose("right", q)
+    assert np.linalg.norm(point - target) < 2e-3 and np.abs(got - rot).max() < 0.05
+    lo, hi = env.physics.model.jnt_range[8:14].T
+    assert (q >= lo).all() and (q <= hi).all()
+
+
+def test_waypoints_interpolate_in_time_and_hold_after_the_last():
+    a = Waypoint(0, np.zeros(3), np.eye(3), 1.0)
+    b = Waypoint(10, np.ones(3), frame([0.0, 1.0, 0.0], [-1.0, 0.0, 0.0]), 0.0)
+    p, r, g = interpolate([a, b], 5)
+    np.testing.assert_allclose(p, 0.5)
+    assert g == pytest.approx(0.5)
+    np.testing.assert_allclose(r @ r.T, np.eye(3), atol=1e-9)       # a rotation, not a blend of two
+    p, r, g = interpolate([a, b], 50)
+    np.testing.assert_allclose(p, 1.0)
+    assert g == 0.0
+
+
+def test_the_expert_needs_its_task_and_a_reset():
+    with AlohaTask(AlohaSimConfig(task="insertion", image_size=16)) as other:
+        with pytest.raises(ValueError, match="transfer_cube"):
+            TransferCubeExpert(other)
+    with AlohaTask(AlohaSimConfig(image_size=16)) as e:
+        with pytest.raises(RuntimeError, match="reset"):
+            TransferCubeExpert(e).action()

@@ -1,0 +1,89 @@
+"""One simulated episode recorded the way a robot records it, for any simulator and expert.
+
+A frame (every camera, the robot state) at each policy call point, every ``call_every`` control
+steps, and the expert's action at *every* step: the training tool cuts the chunk after any frame
+out of that series by its time stamps. After a success the expert goes on for ``tail_steps``
+steps (actions only) so the last frames have a full chunk too.
+
+With a ``driver`` (DAgger) a policy acts instead, except on the calls the expert takes over
+(probability ``beta``, or when the policy's chunk is not finite); the expert still labels every
+step, for the state the robot is actually in.
+
+The simulators (``sim.metaworld_env.MetaWorldTask``, ``sim.aloha_env.AlohaTask``) share what this
+needs: ``reset(seed) -> state``, ``render() -> {camera: image}``, ``step(action)`` with ``state``,
+``success`` and ``done``, and ``instruction``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence
+
+import numpy as np
+
+from ..io.bags import Episode, EpisodeFrame, JointSeries
+
+#: The expert's action for the robot's current state (called once per control step).
+Label = Callable[[], np.ndarray]
+#: A DAgger driver: (images, state, instruction) -> a chunk of actions [chunk, >= action_dim].
+Driver = Callable[[dict[str, np.ndarray], np.ndarray, str], np.ndarray]
+
+
+class SimTask(Protocol):
+    instruction: str
+
+    def reset(self, seed: int) -> np.ndarray: ...
+    def render(self) -> dict[str, np.ndarray]: ...
+    def step(self, action: np.ndarray): ...
+
+
+@dataclass
+class Rollout:
+    """One episode in memory: frames at call points, actions at every step."""
+
+    episode: Episode
+    actions: JointSeries
+    steps: int
+
+
+def record_rollout(env: SimTask, seed: int, expert: Callable[[], Label], *, call_every: int, tail_steps: int,
+                   dt: float, action_names: Sequence[str], episode_id: str, source: str,
+                   driver: Driver | None = None, beta: float = 0.0,
+                   bounds: tuple[float, float] | None = None) -> Rollout:
+    """Run one episode from ``seed``. ``expert()`` is called once the environment is reset and
+    returns the labelling function. ``bounds``: the action range a driver's chunk is clipped to."""
+    rng = np.random.default_rng(seed)
+    state = env.reset(seed)
+    label = expert()
+    dim = len(action_names)
+    frames: list[EpisodeFrame] = []
+    times: list[float] = []
+    actions: list[np.ndarray] = []
+    plan: np.ndarray | None = None
+    success, step = False, 0
+    while True:
+        if step % call_every == 0:
+            images = env.render()
+            frames.append(EpisodeFrame(t=step * dt, images=images, state=state))
+            plan = None
+            if driver is not None and rng.random() >= beta:
+                chunk = np.asarray(driver(images, state, env.instruction), np.float64)[:call_every, :dim]
+                if bounds is not None:
+                    chunk = np.clip(chunk, *bounds)
+                plan = chunk if np.isfinite(chunk).all() else None
+        action = np.asarray(label(), np.float64)
+        times.append(step * dt)
+        actions.append(action)
+        result = env.step(action if plan is None or step % call_every >= len(plan) else plan[step % call_every])
+        state, step = result.state, step + 1
+        if result.done:
+            success = result.success
+            break
+    for _ in range(tail_steps if success else 0):
+        action = np.asarray(label(), np.float64)
+        times.append(step * dt)
+        actions.append(action)
+        env.step(action)
+        step += 1
+    episode = Episode(episode_id=episode_id, task=env.instruction, success=success, frames=frames, source=source)
+    return Rollout(episode, JointSeries(np.asarray(times), np.stack(actions), tuple(action_names)), step)
