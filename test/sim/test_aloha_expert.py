@@ -21,11 +21,14 @@ def test_the_expert_hands_the_cube_over(env, seed):
     env.reset(seed)
     expert = TransferCubeExpert(env)
     expert.reset()
-    lifted = False
+    lifted, last = False, np.asarray(env.state(), np.float64)
+    limit = np.array(([3.0] * 6 + [5.0]) * 2) * 0.02 + 1e-9       # the ALOHA profile's max_velocity, per step
     while True:
         action = expert.action()
         assert action.shape == (STATE_DIM,) and np.isfinite(action).all()
         assert 0.0 <= action[6] <= 1.0 and 0.0 <= action[13] <= 1.0
+        assert (np.abs(action - last) <= limit).all()                # the safety filter would pass it unchanged
+        last = action
         step = env.step(action)
         lifted = lifted or step.reward == 2          # the right arm alone holds it off the table
         if step.done:

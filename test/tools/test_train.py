@@ -164,3 +164,22 @@ def test_task_sampling_draws_every_task_equally_whatever_its_frame_count():
     assert only_train.min() >= 10                               # validation frames never drawn
     with pytest.raises(ValueError, match="sampling"):
         BatchSampler(frames, task_of_frame, "episodes")
+
+
+def test_bags_in_a_robot_profiles_layout_are_read_through_its_topics(tmp_path):
+    """ALOHA demonstrations (the profile's camera topics, joints by name over two arms' topics)
+    become frames with the profile's cameras in its order and 14-dim states and action chunks."""
+    from vla_runtime.tools.aloha_demos import AlohaDemoConfig, record_aloha_demos
+
+    profile = str(Path(__file__).resolve().parents[2] / "config" / "aloha.yaml")
+    record_aloha_demos(AlohaDemoConfig(episodes=1, profile=profile, image_size=64), tmp_path / "demos",
+                       log=lambda m: None)
+    cfg = TrainConfig(demos=str(tmp_path / "demos"), out=str(tmp_path / "run"), preset="pi05-aloha",
+                      cameras=("cam_high", "cam_left_wrist", "cam_right_wrist"), robot_profile=profile,
+                      call_period=0.2, control_dt=0.02).validate()
+    data = load_demos(cfg, log=lambda m: None)
+    assert data.images.shape[1:] == (3, 64, 64, 3) and data.states.shape[1] == 14
+    assert data.chunks.shape[1:] == (20, 14) and np.isfinite(data.chunks).all()
+    with pytest.raises(ValueError, match="not the profile's"):
+        TrainConfig(demos="x", out="y", preset="pi05-aloha", robot_profile=profile,
+                    cameras=("cam_left_wrist", "cam_high", "cam_right_wrist")).validate()

@@ -160,6 +160,14 @@ def _metaworld() -> Pi05Config:
     )
 
 
+def _aloha() -> Pi05Config:
+    """The Meta-World preset's widths for ALOHA (tools/aloha_demos, trained on CPU): the profile's
+    three cameras at 64x64, 14 joints (discretised into a longer prompt), and 20-target chunks
+    (0.4 s at 50 Hz; the policy is re-queried every 10 steps)."""
+    mw = _metaworld()
+    return replace(mw, chunk_size=20, action_dim=14, max_state_dim=14, max_token_len=112, num_cameras=3)
+
+
 PRESETS: dict[str, Any] = {
     # Full size, as the public checkpoints.
     "pi05": lambda: Pi05Config().validate(),
@@ -169,6 +177,8 @@ PRESETS: dict[str, Any] = {
     "pi05-small": lambda: _small().validate(),
     # Meta-World policy trained here on CPU (tools/train.py).
     "pi05-mw": lambda: _metaworld().validate(),
+    # ALOHA transfer-cube policy trained here on CPU (tools/aloha_demos + tools/train.py).
+    "pi05-aloha": lambda: _aloha().validate(),
     # Smallest: unit tests.
     "pi05-tiny": lambda: _tiny().validate(),
 }

@@ -18,8 +18,11 @@ once the cube is up it comes in horizontally from the left with its fingers acro
 fingers hold the cube's y faces) and closes on the cube's left half. gym-aloha counts the
 transfer when the left gripper touches the cube and the cube is off the table.
 
-The expert reads the cube's position from the simulator (privileged, as Meta-World's experts do);
-where the right arm actually lifted it is read again before the left arm's approach.
+The targets never change faster than ``max_velocity`` (rad/s, the ALOHA profile's limits by
+default), so the safety filter a policy's commands go through would pass the demonstrated
+motion unchanged. The expert reads the cube's position from the simulator (privileged, as
+Meta-World's experts do); where the right arm actually lifted it is read again before the left
+arm's approach.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .aloha_env import STATE_DIM, AlohaTask
+from .aloha_env import CONTROL_DT, STATE_DIM, AlohaTask
 
 GRASP_OFFSET = 0.095          # m ahead of the gripper link along its x (approach) axis: between the fingers
 ARM_JOINTS = {"left": slice(0, 6), "right": slice(8, 14)}      # in MuJoCo's qpos
@@ -138,13 +141,15 @@ class TransferCubeExpert:
 
     DOWN_RIGHT = frame([-0.5, 0.0, -1.0], [0.0, -1.0, 0.0])   # right: tilted down towards -x, fingers across y
     LEFT_IN = frame([1.0, 0.0, 0.0], [0.0, 0.0, 1.0])         # left: horizontal towards +x, fingers across z
-    HOME_LEFT = frame([1.0, 0.0, -0.1], [0.0, 1.0, 0.0])
-    HOME_RIGHT = frame([-1.0, 0.0, -0.1], [0.0, -1.0, 0.0])
 
-    def __init__(self, env: AlohaTask, plan: TransferCubePlan = TransferCubePlan()):
+    def __init__(self, env: AlohaTask, plan: TransferCubePlan = TransferCubePlan(),
+                 max_velocity: tuple[float, float] = (3.0, 5.0)):
         if env.cfg.task != "transfer_cube":
             raise ValueError(f"the scripted expert does transfer_cube, not {env.cfg.task!r}")
         self.env, self.plan = env, plan
+        arm, gripper = max_velocity
+        self.max_step = np.array(([arm] * 6 + [gripper]) * 2) * CONTROL_DT     # per-step change of a target
+        self.last: np.ndarray | None = None
         self.step = 0
         self.waypoints: dict[str, list[Waypoint]] = {}
         self.q: dict[str, np.ndarray] = {}
@@ -155,17 +160,20 @@ class TransferCubeExpert:
         p = self.plan
         self.ik = ArmIK(self.env.physics)
         state = np.asarray(self.env.state(), np.float64)
+        self.last = state.copy()
         self.q = {side: state[ARM_ACTIONS[side]:ARM_ACTIONS[side] + 6].copy() for side in ARM_JOINTS}
         cube = self.env.object_position()
         meet = np.asarray(p.meet)
+        # start from where each arm is (no jump at the first step), gripper opening
+        here = {side: Waypoint(0, *self.ik.pose(side, self.q[side]), OPEN) for side in ARM_JOINTS}
         self.waypoints = {
-            "right": [Waypoint(0, np.array([0.22, 0.5, 0.30]), self.HOME_RIGHT, OPEN),
+            "right": [here["right"],
                       Waypoint(p.reach, cube + p.above, self.DOWN_RIGHT, OPEN),
                       Waypoint(p.descend, cube, self.DOWN_RIGHT, OPEN),
                       Waypoint(p.grip, cube, self.DOWN_RIGHT, CLOSED),
                       Waypoint(p.lift, meet, self.DOWN_RIGHT, CLOSED)],
             # the left arm waits beside the meeting point; its approach is planned at the hand-over
-            "left": [Waypoint(0, np.array([-0.22, 0.5, 0.30]), self.HOME_LEFT, OPEN),
+            "left": [here["left"],
                      Waypoint(p.lift - 30, meet + np.array([-0.13, 0.0, -0.05]), self.LEFT_IN, OPEN)],
         }
         self.step = 0
@@ -187,8 +195,12 @@ class TransferCubeExpert:
         out = np.zeros(STATE_DIM)
         for side, first in ARM_ACTIONS.items():
             point, rotation, gripper = interpolate(self.waypoints[side], self.step)
-            self.q[side] = self.ik.solve(side, self.q[side], point, rotation)
-            out[first:first + 6] = self.q[side]
+            solved = self.ik.solve(side, self.q[side], point, rotation)
+            out[first:first + 6] = solved
             out[first + 6] = gripper
+        out = self.last + np.clip(out - self.last, -self.max_step, self.max_step)
+        for side, first in ARM_ACTIONS.items():
+            self.q[side] = out[first:first + 6].copy()      # the next solve starts from what was commanded
+        self.last = out
         self.step += 1
         return out

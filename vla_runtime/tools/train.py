@@ -5,9 +5,11 @@ checkpoint; the runtime only loads checkpoints. The output is in the public layo
 loads unchanged (``model.safetensors`` + ``config.json``, LeRobot normalisation files, a
 SentencePiece tokenizer), so the trained policy goes through exactly the deployed path.
 
-Data: bags written by ``tools/metaworld_demos`` (or a robot recording with the same topics): one
-frame per policy call (cameras, state, instruction) and the commanded action at every control
-tick on an action topic; the target of frame ``i`` is the chunk of ``chunk_size`` actions from
+Data: bags written by ``tools/metaworld_demos`` (or a robot recording with the same topics), or
+with ``--robot-profile`` bags in a robot profile's own layout (``tools/aloha_demos``, a robot's
+recording; the state is assembled by joint name as the policy node does): one frame per policy
+call (cameras, state, instruction) and the commanded action at every control tick on an action
+topic; the target of frame ``i`` is the chunk of ``chunk_size`` actions from
 the frame's tick on. The state enters as pi0.5 does it: quantile-normalised, discretised into the
 prompt.
 
@@ -45,13 +47,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..io.bags import BagTopics, list_episode_bags, read_episode, read_joint_series
+from ..io.bags import BagTopics, list_episode_bags, profile_topics, read_episode, read_joint_series
 from ..models.checkpoint import load_checkpoint, save_checkpoint
 from ..models.config import Pi05Config, preset
 from ..models.normalize import MODE_QUANTILES, Stats, make_normalizer, save_lerobot_normalization
 from ..models.pi05 import Pi05Model, init_random_
 from ..models.tokenizer import PromptTokenizer, build_prompt, discretize_state, train_prompt_tokenizer
 from ..models.training import TrainingForward, flow_matching_loss
+from ..nodes.profile import load_profile
 from .metaworld_demos import keeps_failed_episodes
 
 STATE_FILE = "train_state.pt"
@@ -95,11 +98,16 @@ class TrainConfig:
     ema_decay: float = 0.999           # exported weights: exponential moving average (0 = off)
     export_minutes: float = 15.0       # also export the current weights this often (0 = only at the end)
     init_from: str | None = None       # a run directory: start from its weights, statistics and tokenizer
+    robot_profile: str | None = None   # bags in a robot profile's layout (its topics, joints by name)
 
     def validate(self) -> "TrainConfig":
         cfg = preset(self.preset)
         if len(self.cameras) != cfg.num_cameras:
             raise ValueError(f"preset {self.preset} takes {cfg.num_cameras} cameras, got {self.cameras}")
+        if self.robot_profile is not None:
+            names = tuple(c.name for c in load_profile(self.robot_profile).cameras)
+            if names != tuple(self.cameras):
+                raise ValueError(f"the cameras {self.cameras} are not the profile's {names} (in its order)")
         if self.batch < 1 or self.draws < 1 or self.max_steps < 1 or self.minutes <= 0:
             raise ValueError("batch, draws, max_steps >= 1 and minutes > 0")
         if self.time_mode not in ("schedule", "uniform"):
@@ -161,7 +169,8 @@ def action_chunks(frame_times: np.ndarray, action_t: np.ndarray, actions: np.nda
 def load_demos(cfg: TrainConfig, log=print) -> DemoData:
     """Read every successful episode bag under ``cfg.demos`` into arrays."""
     mcfg = cfg.model_config
-    topics = BagTopics(cameras={c: f"/cameras/{c}/image_raw" for c in cfg.cameras})
+    topics = (profile_topics(load_profile(cfg.robot_profile)) if cfg.robot_profile else
+              BagTopics(cameras={c: f"/cameras/{c}/image_raw" for c in cfg.cameras}))
     images, states, chunks, episode, task_idx, all_actions = [], [], [], [], [], []
     tasks: list[str] = []
     bags = list_episode_bags(cfg.demos)
@@ -493,7 +502,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--init-from", default=None, help="start from an earlier run directory's weights, statistics "
                                                      "and tokenizer (fresh optimiser and schedule; e.g. DAgger)")
     p.add_argument("--preset", default=d.preset)
-    p.add_argument("--cameras", default=",".join(d.cameras))
+    p.add_argument("--cameras", default=None, help=f"camera names in model order (default: the robot profile's, "
+                                                   f"else {','.join(d.cameras)})")
+    p.add_argument("--robot-profile", default=None, help="bags recorded in this robot profile's layout (its "
+                                                         "camera and joint-state topics; e.g. tools.aloha_demos)")
     for name in ("batch", "draws", "warmup", "max_steps", "shift", "seed", "threads", "log_every"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
     for name in ("lr", "minutes", "weight_decay", "save_minutes", "call_period", "control_dt", "val_fraction",
@@ -508,13 +520,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    cfg = TrainConfig(demos=a.demos, out=a.out, export=a.export, preset=a.preset, cameras=tuple(a.cameras.split(",")),
+    cameras = (a.cameras.split(",") if a.cameras else
+               [c.name for c in load_profile(a.robot_profile).cameras] if a.robot_profile else TrainConfig.cameras)
+    cfg = TrainConfig(demos=a.demos, out=a.out, export=a.export, preset=a.preset, cameras=tuple(cameras),
                       batch=a.batch, draws=a.draws, warmup=a.warmup, max_steps=a.max_steps, shift=a.shift,
                       seed=a.seed, threads=a.threads, log_every=a.log_every, lr=a.lr, minutes=a.minutes,
                       weight_decay=a.weight_decay, save_minutes=a.save_minutes, call_period=a.call_period,
                       control_dt=a.control_dt, val_fraction=a.val_fraction, time_mode=a.time_mode,
                       export_dtype=a.export_dtype, ema_decay=a.ema_decay, export_minutes=a.export_minutes,
-                      init_from=a.init_from, sampling=a.sampling)
+                      init_from=a.init_from, sampling=a.sampling, robot_profile=a.robot_profile)
     train(cfg, resume=a.resume, log=lambda s: print(s, flush=True))
     return 0
 
