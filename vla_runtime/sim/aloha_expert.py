@@ -37,6 +37,13 @@ GRASP_OFFSET = 0.095          # m ahead of the gripper link along its x (approac
 ARM_JOINTS = {"left": slice(0, 6), "right": slice(8, 14)}      # in MuJoCo's qpos
 ARM_ACTIONS = {"left": 0, "right": 7}                          # first index of each arm in a 14-dim action
 OPEN, CLOSED = 1.0, 0.0       # normalised gripper targets
+# Forearm roll and wrist rotate (arm joints 3 and 5) reach most orientations twice (the wrist
+# flipped, both rolled by pi), and near a straight wrist their axes line up, where a plain
+# solver picks either branch by rounding. The forearm roll is pulled gently towards zero
+# (``ROLL_PULL``), which leaves one branch, so every demonstration holds a pose with the same
+# joint values: a policy cannot learn the average of two branches.
+ROLL_JOINTS = np.array([0.0, 0.0, 0.0, 1.0, 0.0, 0.0])
+ROLL_PULL = 0.02
 
 
 def frame(approach: np.ndarray | list[float], across: np.ndarray | list[float]) -> np.ndarray:
@@ -105,6 +112,7 @@ class ArmIK:
         """Joint positions (6) putting the grasp point at ``point`` with ``rotation``, from ``q0``."""
         sl = ARM_JOINTS[side]
         lo, hi = self.model.jnt_range[sl, 0], self.model.jnt_range[sl, 1]
+        pull = ROLL_PULL * np.diag(ROLL_JOINTS)
         q = np.array(q0, np.float64)
         for _ in range(self.iterations):
             p, rot = self.pose(side, q)
@@ -115,7 +123,8 @@ class ArmIK:
             self._mj.mj_jac(self.model, self.data, self._jp, self._jr, p, self.body[side])
             jac = np.vstack([self._jp[:, sl], self.w_rot * self._jr[:, sl]])
             err = np.concatenate([e_pos, self.w_rot * e_rot])
-            dq = jac.T @ np.linalg.solve(jac @ jac.T + self.damping * np.eye(6), err)
+            # damped least squares, plus the pull of the roll joints towards zero
+            dq = np.linalg.solve(jac.T @ jac + self.damping * np.eye(6) + pull, jac.T @ err - pull @ q)
             q = np.clip(q + np.clip(dq, -0.2, 0.2), lo, hi)
         return q
 
