@@ -79,6 +79,7 @@ class TransferCubePlan:
     close: int = 20               # steps closing the left gripper
     meet: tuple[float, float, float] = (0.03, 0.5, 0.22)      # right grasp point when lifted
     above: tuple[float, float, float] = (0.06, 0.0, 0.12)     # pre-grasp, relative to the cube
+    left_wait: tuple[float, float, float] = (-0.13, 0.0, -0.05)    # left arm while the cube is lifted, relative to meet
     left_start: tuple[float, float, float] = (-0.1, 0.0, -0.005)   # left approach start, relative to the cube
     left_grip: tuple[float, float, float] = (0.02, 0.0, 0.0)       # left grasp point, relative to the cube
 
@@ -183,7 +184,7 @@ class TransferCubeExpert:
                       Waypoint(p.lift, meet, self.DOWN_RIGHT, CLOSED)],
             # the left arm waits beside the meeting point; its approach is planned at the hand-over
             "left": [here["left"],
-                     Waypoint(p.lift - 30, meet + np.array([-0.13, 0.0, -0.05]), self.LEFT_IN, OPEN)],
+                     Waypoint(p.lift - 30, meet + p.left_wait, self.LEFT_IN, OPEN)],
         }
         self.step = 0
 
