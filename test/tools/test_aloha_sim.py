@@ -63,3 +63,14 @@ def test_profile_must_match_the_simulator():
     with pytest.raises(ValueError, match="joints; gym-aloha has 14"):
         check_profile(load_profile(ROOT / "config" / "sim.yaml"), {})
     assert str(DEFAULT_PROFILE) == "config/aloha.yaml"
+
+
+def test_the_bundled_trained_checkpoint_runs_the_profile(tmp_path):
+    """checkpoints/pi05-aloha-transfer-cube (trained here on the scripted expert) loads in the
+    public layout and drives the ALOHA profile: its 3 cameras, 14 targets, within the limits."""
+    spec = AlohaRunSpec(out=tmp_path, profile=ROOT / "config" / "aloha.yaml",
+                        checkpoint=ROOT / "checkpoints" / "pi05-aloha-transfer-cube", episodes=1, max_steps=20,
+                        n_execute=10, processes=1, engine=EngineSpec(threads=1))
+    report = run_aloha(spec, log=lambda m: None)
+    assert not report["random_weights"] and report["summary"]["action_dims"] == [STATE_DIM]
+    assert report["summary"]["calls"] == 2 and report["summary"]["outside_limits"] == 0
