@@ -449,9 +449,10 @@ def run_harness(cfg: HarnessConfig, policy: object | None = None, chunk_fn: Chun
         raise ValueError(f"n_execute {n_execute} exceeds the chunk size {chunk_size}")
 
     initial_latency = cfg.initial_latency_s
-    if initial_latency is None:
-        initial_latency = float(max(warm_lat)) if cfg.latency == "measured" and warm_lat else \
-            _latency_mean(cfg.latency) if cfg.latency != "measured" else 0.1
+    if initial_latency is None and cfg.latency != "measured":
+        initial_latency = _latency_mean(cfg.latency)
+    elif initial_latency is None:            # measured: the slowest warm-up call, as a deployment would
+        initial_latency = float(max(warm_lat)) if warm_lat else 0.1
     ctrl_cfg = cfg.controller_config(chunk_size, action_dim, n_execute, initial_latency)
     lower = np.asarray(cfg.joint_lower if cfg.joint_lower is not None else [-math.pi] * action_dim, dtype=np.float64)
     upper = np.asarray(cfg.joint_upper if cfg.joint_upper is not None else [math.pi] * action_dim, dtype=np.float64)

@@ -32,8 +32,7 @@ from ..nodes.profile import RobotProfile, load_profile
 from ..sim.aloha_env import CONTROL_DT, DEFAULT_CAMERAS, AlohaSimConfig, AlohaTask
 from ..sim.aloha_expert import TransferCubeExpert
 from .aloha_sim import DEFAULT_PROFILE, check_profile
-from .metaworld_demos import ACTION_TOPIC, MANIFEST
-from .recording import Rollout, record_rollout
+from .recording import ACTION_TOPIC, MANIFEST, Rollout, record_rollout
 
 
 @dataclass(frozen=True)

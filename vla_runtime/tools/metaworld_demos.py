@@ -40,10 +40,8 @@ import numpy as np
 from ..io.bags import BagTopics, write_episode_bag
 from ..sim.metaworld_env import (ACTION_NAMES, CONTROL_DT, DEFAULT_CAMERAS, DEFAULT_TASKS, STATE_NAMES,
                                  MetaWorldConfig, MetaWorldTask, scripted_expert)
-from .recording import Driver, Rollout, record_rollout
+from .recording import ACTION_TOPIC, MANIFEST, Driver, Rollout, record_rollout
 
-ACTION_TOPIC = "/action_command"
-MANIFEST = "demos.json"
 
 def labels_kind(cfg: "DemoConfig") -> str:
     """The manifest's ``labels``: "expert" (the expert acted, successes only) or "dagger" (a

@@ -23,6 +23,9 @@ import numpy as np
 
 from ..io.bags import Episode, EpisodeFrame, JointSeries
 
+ACTION_TOPIC = "/action_command"   # the commanded action at every control step (a JointState series)
+MANIFEST = "demos.json"            # what a recording directory holds: labels, topics, seeds, timings
+
 #: The expert's action for the robot's current state (called once per control step).
 Label = Callable[[], np.ndarray]
 #: A DAgger driver: (images, state, instruction) -> a chunk of actions [chunk, >= action_dim].
