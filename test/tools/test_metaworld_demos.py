@@ -10,8 +10,7 @@ import pytest
 
 from vla_runtime.io.bags import read_episode, read_joint_series, write_episode_bag
 from vla_runtime.sim.metaworld_env import MetaWorldConfig, MetaWorldTask, scripted_expert
-from vla_runtime.tools.metaworld_demos import (ACTION_TOPIC, DemoConfig, bag_topics, keeps_failed_episodes,
-                                               labels_kind, main, record_episode)
+from vla_runtime.tools.metaworld_demos import ACTION_TOPIC, DemoConfig, bag_topics, main, record_episode
 from vla_runtime.tools.train import action_chunks
 
 
@@ -78,14 +77,7 @@ def test_dagger_episode_executes_the_driver_and_records_the_expert():
     np.testing.assert_allclose(roll.actions.values[0], first_label)
 
 
-def test_dagger_manifest_keeps_failed_episodes(tmp_path):
-    (tmp_path / "expert" / "t" / "ep").mkdir(parents=True)
-    (tmp_path / "dagger" / "t" / "ep").mkdir(parents=True)
-    (tmp_path / "expert" / "demos.json").write_text(json.dumps({"labels": labels_kind(DemoConfig())}))
-    (tmp_path / "dagger" / "demos.json").write_text(json.dumps({"labels": "dagger"}))
-    assert not keeps_failed_episodes(tmp_path / "expert" / "t" / "ep", tmp_path)
-    assert keeps_failed_episodes(tmp_path / "dagger" / "t" / "ep", tmp_path)
-    assert not keeps_failed_episodes(tmp_path / "elsewhere" / "ep", tmp_path)     # no manifest: successes only
+def test_dagger_settings_are_validated(tmp_path):
     with pytest.raises(ValueError, match="beta"):
         DemoConfig(beta=1.5).validate()
     with pytest.raises(FileNotFoundError, match="--policy"):

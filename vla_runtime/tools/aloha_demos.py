@@ -12,7 +12,14 @@ alike:
   frame is cut from it by time), ``tail_steps`` more after the success;
 * the outcome. Only successful episodes are kept; failed seeds are listed in ``demos.json``.
 
+With ``--policy CHECKPOINT`` it records a DAgger round instead: the policy drives through the
+profile's safety filter, as on the robot (the expert takes over a call with probability
+``--beta``), the expert's targets for the states actually reached are recorded at every step,
+and every episode is kept (``"labels": "dagger"``), failures included.
+
     python -m vla_runtime.tools.aloha_demos --out /tmp/aloha/demos --episodes 50
+    python -m vla_runtime.tools.aloha_demos --out /tmp/aloha/dagger1 --episodes 40 --seed-base 5000 \
+        --policy checkpoints/pi05-aloha-transfer-cube --beta 0.3
 """
 
 from __future__ import annotations
@@ -27,17 +34,20 @@ from typing import Callable
 
 import numpy as np
 
+from ..engine.safety import JointLimits, SafetyFilter
 from ..io.bags import BagTopics, profile_topics, write_episode_bag
 from ..nodes.profile import RobotProfile, load_profile
 from ..sim.aloha_env import CONTROL_DT, DEFAULT_CAMERAS, AlohaSimConfig, AlohaTask
 from ..sim.aloha_expert import TransferCubeExpert
 from .aloha_sim import DEFAULT_PROFILE, check_profile
-from .recording import ACTION_TOPIC, MANIFEST, Rollout, record_rollout
+from .recording import (ACTION_TOPIC, MANIFEST, CommandFilter, Driver, Rollout, labels_kind, pipeline_driver,
+                        record_rollout)
 
 
 @dataclass(frozen=True)
 class AlohaDemoConfig:
-    """What to record: ``episodes`` successful episodes from seeds ``seed_base + i``."""
+    """What to record: ``episodes`` successful episodes from seeds ``seed_base + i`` (with a
+    ``policy``: ``episodes`` DAgger episodes, whatever their outcome)."""
 
     episodes: int = 50
     profile: str = str(DEFAULT_PROFILE)
@@ -47,10 +57,17 @@ class AlohaDemoConfig:
     max_steps: int = 400               # gym-aloha's episode length (8 s)
     seed_base: int = 0
     max_tries_factor: int = 2          # seeds tried per wanted episode before giving up
+    policy: str | None = None          # DAgger: this checkpoint drives, the expert labels
+    beta: float = 0.3                  # DAgger: probability that the expert drives a call instead
+    threads: int = 1                   # DAgger: torch threads of the policy
 
     def validate(self) -> "AlohaDemoConfig":
         if self.episodes < 1 or self.call_every < 1 or self.tail_steps < 0 or self.max_tries_factor < 1:
             raise ValueError("episodes, call_every, max_tries_factor >= 1 and tail_steps >= 0")
+        if not 0.0 <= self.beta <= 1.0:
+            raise ValueError(f"beta must be in [0, 1], got {self.beta}")
+        if self.policy is not None and not Path(self.policy).is_dir():
+            raise FileNotFoundError(f"--policy {self.policy}: no checkpoint directory there")
         if self.image_size < 8 or self.max_steps < 1:
             raise ValueError("image_size >= 8 and max_steps >= 1")
         check_profile(load_profile(self.profile), dict(DEFAULT_CAMERAS))
@@ -69,51 +86,81 @@ def joint_layout(profile: RobotProfile) -> dict[str, list[str]]:
     return {t: names[a:b] for t, (a, b) in zip(topics, profile.arm_slices)}
 
 
-def record_transfer_cube(env: AlohaTask, seed: int, call_every: int, tail_steps: int) -> Rollout:
-    """One expert episode from ``seed``'s cube position (``tools.recording.record_rollout``)."""
+def safety_command(env: AlohaTask, profile: RobotProfile) -> CommandFilter:
+    """The profile's safety filter (limits, speed) on every executed command, as the policy node
+    applies it; restarted from the robot's state at each episode's first step."""
+    limits = JointLimits.from_lists(list(profile.joint_lower), list(profile.joint_upper),
+                                    None if profile.max_velocity is None else list(profile.max_velocity))
+    safety = SafetyFilter(limits, CONTROL_DT)
+
+    def command(action: np.ndarray, step: int) -> np.ndarray:
+        if step == 0:
+            safety.set_initial(env.state())
+        return safety.filter(action, step).action
+
+    return command
+
+
+def record_transfer_cube(env: AlohaTask, seed: int, call_every: int, tail_steps: int, driver: Driver | None = None,
+                         beta: float = 0.0, command: CommandFilter | None = None) -> Rollout:
+    """One expert episode from ``seed``'s cube position (``tools.recording.record_rollout``); with
+    ``driver`` (DAgger) the policy acts, through ``command``, except on calls the expert takes over."""
     expert = TransferCubeExpert(env)
 
     def start() -> Callable[[], np.ndarray]:
         expert.reset()
         return expert.action
 
+    source = f"sim:gym-aloha:transfer_cube:seed={seed}:" + ("scripted" if driver is None else f"dagger:beta={beta}")
     return record_rollout(env, seed, start, call_every=call_every, tail_steps=tail_steps, dt=CONTROL_DT,
                           action_names=[f"target_{i}" for i in range(14)], episode_id=f"transfer_cube_s{seed}",
-                          source=f"sim:gym-aloha:transfer_cube:seed={seed}:scripted")
+                          source=source, driver=driver, beta=beta, command=command)
 
 
 def record_aloha_demos(cfg: AlohaDemoConfig, out: str | Path, log: Callable[[str], None] = print) -> dict:
-    """Record ``cfg.episodes`` successful episodes into ``out/transfer_cube/``; writes ``demos.json``."""
+    """Record ``cfg.episodes`` successful episodes (or DAgger episodes) into ``out/transfer_cube/``;
+    writes ``demos.json``."""
     cfg = cfg.validate()
     out = Path(out)
     (out / "transfer_cube").mkdir(parents=True, exist_ok=True)
     profile = load_profile(cfg.profile)
     topics: BagTopics = profile_topics(profile, outcome="/episode_outcome")
     layout = joint_layout(profile)
+    driven = cfg.policy is not None
     saved, failed, frames, t0 = 0, [], 0, time.time()
     with AlohaTask(AlohaSimConfig(image_size=cfg.image_size, max_steps=cfg.max_steps)) as env:
-        for i in range(cfg.episodes * cfg.max_tries_factor):
-            if saved >= cfg.episodes:
-                break
-            seed = cfg.seed_base + i
-            roll = record_transfer_cube(env, seed, cfg.call_every, cfg.tail_steps)
-            if not roll.episode.success:
-                failed.append(seed)
-                continue
-            write_episode_bag(out / "transfer_cube" / roll.episode.episode_id, roll.episode, topics,
-                              joint_layout=layout, series={ACTION_TOPIC: roll.actions})
-            saved += 1
-            frames += len(roll.episode.frames)
-            if saved % 10 == 0 or saved == cfg.episodes:
-                log(f"transfer_cube: {saved}/{cfg.episodes} episodes ({len(failed)} failed), {time.time() - t0:.0f}s")
-    manifest = {"labels": "expert", "config": asdict(cfg), "profile": profile.name,
+        driver, close_driver = ((None, lambda: None) if not driven else
+                                pipeline_driver(cfg.policy, [c.name for c in profile.cameras], threads=cfg.threads,
+                                                seed=cfg.seed_base, arm_slices=tuple(tuple(s) for s in profile.arm_slices),
+                                                state_dim=len(profile.joint_names)))
+        command = safety_command(env, profile) if driven else None
+        try:
+            for i in range(cfg.episodes if driven else cfg.episodes * cfg.max_tries_factor):
+                if saved >= cfg.episodes:
+                    break
+                seed = cfg.seed_base + i
+                roll = record_transfer_cube(env, seed, cfg.call_every, cfg.tail_steps, driver, cfg.beta, command)
+                if not roll.episode.success:
+                    failed.append(seed)
+                    if not driven:
+                        continue
+                write_episode_bag(out / "transfer_cube" / roll.episode.episode_id, roll.episode, topics,
+                                  joint_layout=layout, series={ACTION_TOPIC: roll.actions})
+                saved += 1
+                frames += len(roll.episode.frames)
+                if saved % 10 == 0 or saved == cfg.episodes:
+                    log(f"transfer_cube: {saved}/{cfg.episodes} episodes ({len(failed)} failed), {time.time() - t0:.0f}s")
+        finally:
+            close_driver()
+    manifest = {"labels": labels_kind(driven), "config": asdict(cfg), "profile": profile.name,
                 "topics": {"cameras": topics.cameras, "joint_states": layout, "instruction": topics.instruction,
                            "outcome": topics.outcome, "actions": ACTION_TOPIC},
                 "state_names": list(profile.joint_names), "env_dt": CONTROL_DT,
                 "call_period": cfg.call_every * CONTROL_DT, "saved": saved, "failed_seeds": failed,
                 "frames": frames, "seconds": round(time.time() - t0, 1)}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
-    log(f"{saved} episodes ({frames} frames), {len(failed)} failed seeds, written to {out} in {manifest['seconds']}s")
+    kept = " (kept: expert labels)" if driven else ""
+    log(f"{saved} episodes ({frames} frames), {len(failed)} failed seeds{kept}, written to {out} in {manifest['seconds']}s")
     if saved < cfg.episodes:
         raise RuntimeError(f"only {saved} of {cfg.episodes} episodes succeeded in {cfg.episodes * cfg.max_tries_factor} "
                            f"tries (failed seeds: {failed[:20]})")
@@ -131,13 +178,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tail-steps", type=int, default=d.tail_steps)
     p.add_argument("--max-steps", type=int, default=d.max_steps)
     p.add_argument("--seed-base", type=int, default=d.seed_base)
+    p.add_argument("--policy", default=None, help="DAgger: a checkpoint that drives while the expert labels "
+                                                   "every step (failed episodes are kept)")
+    p.add_argument("--beta", type=float, default=d.beta, help="DAgger: probability that the expert drives a call")
+    p.add_argument("--threads", type=int, default=d.threads, help="DAgger: torch threads of the policy")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     cfg = AlohaDemoConfig(episodes=a.episodes, profile=a.profile, image_size=a.image_size, call_every=a.call_every,
-                          tail_steps=a.tail_steps, max_steps=a.max_steps, seed_base=a.seed_base)
+                          tail_steps=a.tail_steps, max_steps=a.max_steps, seed_base=a.seed_base,
+                          policy=a.policy, beta=a.beta, threads=a.threads)
     try:
         record_aloha_demos(cfg, a.out)
     except (ValueError, RuntimeError, OSError) as e:

@@ -7,10 +7,10 @@ safety filter (limits and speed), and how long each call takes against the time 
 on the robot (``n_execute`` ticks at the profile's 50 Hz): the next chunk must be ready before
 the current one runs out, or the robot waits.
 
-No ALOHA policy is trained yet (``tools/aloha_demos`` records scripted transfer-cube
-demonstrations for one), so without ``--checkpoint`` it writes a pi0.5 checkpoint with *random
-weights* of the chosen preset in the public layout, with normalisation statistics drawn around
-the simulator's home pose. Success is reported, and is expected to be 0 with random weights.
+With ``--checkpoint`` it runs that policy (``checkpoints/pi05-aloha-transfer-cube`` is trained
+here on ``tools/aloha_demos``' scripted demonstrations). Without one it writes a pi0.5 checkpoint
+with *random weights* of the chosen preset in the public layout, with normalisation statistics
+drawn around the simulator's home pose: plumbing and latency only, success is expected to be 0.
 
     vla-runtime aloha-sim --out out/aloha --episodes 2 --processes 3
 """

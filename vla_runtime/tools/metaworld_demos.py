@@ -29,7 +29,6 @@ import argparse
 import json
 import multiprocessing as mp
 import sys
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -40,23 +39,8 @@ import numpy as np
 from ..io.bags import BagTopics, write_episode_bag
 from ..sim.metaworld_env import (ACTION_NAMES, CONTROL_DT, DEFAULT_CAMERAS, DEFAULT_TASKS, STATE_NAMES,
                                  MetaWorldConfig, MetaWorldTask, scripted_expert)
-from .recording import ACTION_TOPIC, MANIFEST, Driver, Rollout, record_rollout
+from .recording import ACTION_TOPIC, MANIFEST, Driver, Rollout, labels_kind, pipeline_driver, record_rollout
 
-
-def labels_kind(cfg: "DemoConfig") -> str:
-    """The manifest's ``labels``: "expert" (the expert acted, successes only) or "dagger" (a
-    policy acted, the expert labelled every step, failures kept)."""
-    return "dagger" if cfg.policy else "expert"
-
-
-def keeps_failed_episodes(bag: Path, root: Path) -> bool:
-    """Whether the nearest ``demos.json`` between ``bag`` and ``root`` marks DAgger labels."""
-    for d in [bag.parent, *bag.parent.parents]:
-        if (d / MANIFEST).is_file():
-            return json.loads((d / MANIFEST).read_text()).get("labels") == "dagger"
-        if d == root:
-            break
-    return False
 
 @dataclass(frozen=True)
 class DemoConfig:
@@ -111,28 +95,7 @@ def record_episode(env: MetaWorldTask, seed: int, call_every: int, tail_steps: i
     source = f"sim:metaworld:{env.cfg.task}:seed={seed}" + (f":dagger:beta={beta}" if driver is not None else "")
     return record_rollout(env, seed, expert, call_every=call_every, tail_steps=tail_steps, dt=CONTROL_DT,
                           action_names=ACTION_NAMES, episode_id=f"{env.cfg.task}_s{seed}", source=source,
-                          driver=driver, beta=beta, bounds=(-1.0, 1.0))
-
-
-def policy_driver(cfg: DemoConfig) -> tuple[Driver, Callable[[], None]]:
-    """The checkpoint as a DAgger driver (dense, in this process), and how to close it."""
-    from ..nodes.pipeline import PipelineSpec, make_pipeline
-    from ..nodes.profile import CacheSpec, EngineSpec
-    from ..nodes.stages import RingNames
-
-    tag = f"dagger{os.getpid()}"
-    spec = PipelineSpec(Path(cfg.policy), cfg.cameras, CacheSpec(enabled=False), EngineSpec(threads=cfg.threads),
-                        RingNames.tagged(tag), seed=cfg.seed_base)
-    pipeline = make_pipeline(spec, 1)
-
-    def drive(images: dict[str, np.ndarray], state: np.ndarray, instruction: str) -> np.ndarray:
-        return np.asarray(pipeline.call(images, state, instruction).chunk)
-
-    def close() -> None:
-        pipeline.close()
-
-    pipeline.start_episode()
-    return drive, close
+                          driver=driver, beta=beta, command=lambda a, _step: np.clip(a, -1.0, 1.0))
 
 
 @dataclass
@@ -149,7 +112,8 @@ def record_task(cfg: DemoConfig, task: str, out: Path, log_prefix: str = "") -> 
     """Record ``cfg.episodes`` episodes of one task into ``out/<task>/``: successful expert
     episodes, or (with ``cfg.policy``) DAgger episodes whatever their outcome."""
     env = MetaWorldTask(cfg.harness(task))
-    driver, close_driver = policy_driver(cfg) if cfg.policy else (None, lambda: None)
+    driver, close_driver = ((None, lambda: None) if cfg.policy is None else
+                            pipeline_driver(cfg.policy, cfg.cameras, threads=cfg.threads, seed=cfg.seed_base))
     topics = bag_topics(cfg.cameras)
     report = TaskReport(task)
     t0 = time.time()
@@ -199,7 +163,7 @@ def record_demos(cfg: DemoConfig, out: str | Path, log=print) -> dict:
         with mp.get_context("spawn").Pool(min(cfg.workers, len(jobs))) as pool:
             reports = pool.map(_worker, jobs, chunksize=1)
     manifest = {
-        "labels": labels_kind(cfg), "config": asdict(cfg), "topics": {"cameras": bag_topics(cfg.cameras).cameras, "joint_states": "/joint_states",
+        "labels": labels_kind(cfg.policy is not None), "config": asdict(cfg), "topics": {"cameras": bag_topics(cfg.cameras).cameras, "joint_states": "/joint_states",
                                           "instruction": "/instruction", "outcome": "/episode_outcome",
                                           "actions": ACTION_TOPIC},
         "state_names": list(STATE_NAMES), "action_names": list(ACTION_NAMES),

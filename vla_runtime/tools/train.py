@@ -55,7 +55,7 @@ from ..models.pi05 import Pi05Model, init_random_
 from ..models.tokenizer import PromptTokenizer, build_prompt, discretize_state, train_prompt_tokenizer
 from ..models.training import TrainingForward, flow_matching_loss
 from ..nodes.profile import load_profile
-from .metaworld_demos import keeps_failed_episodes
+from .recording import keeps_failed_episodes
 
 STATE_FILE = "train_state.pt"
 #: Settings a resumed run takes from its command line instead of the saved run.
