@@ -28,6 +28,8 @@ def test_closed_loop_through_the_pipeline(tmp_path):
     assert s["outside_limits"] == 0 and set(s["phase_mean_s"]) >= {"vision", "prefill", "denoise"}
     ep = report["episodes"][0]
     assert sum(ep["safety"].values()) == 30 and ep["safety"]["held"] == 0
+    # 30 steps of random weights get nowhere near the cube: one episode at stage 0
+    assert ep["max_reward"] == 0 and s["episodes_by_max_reward"] == {"0": 1}
     assert json.loads((tmp_path / "aloha.json").read_text())["summary"]["calls"] == 2
 
 

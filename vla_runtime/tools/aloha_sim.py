@@ -166,7 +166,8 @@ def run_aloha(spec: AlohaRunSpec, log: Callable[[str], None] = print) -> dict[st
                 rec = run_episode(env, pipeline, limits, spec.seed + i, spec.n_execute)
                 episodes.append(rec)
                 log(f"episode {i + 1}/{spec.episodes} (seed {rec['seed']}): {rec['steps']} steps, {rec['calls']} calls, "
-                    f"call {statistics.fmean(rec['call_s']) * 1e3:.0f} ms mean, success {rec['success']}, "
+                    f"call {statistics.fmean(rec['call_s']) * 1e3:.0f} ms mean, success {rec['success']} "
+                    f"(reward stage {rec['max_reward']}), "
                     f"safety {rec['safety']}")
     calls = summarize([x for r in episodes for x in r["call_s"]], (0.5, 0.95))
     phases: dict[str, list[float]] = {}
@@ -176,6 +177,10 @@ def run_aloha(spec: AlohaRunSpec, log: Callable[[str], None] = print) -> dict[st
     report["episodes"] = [{k: v for k, v in r.items() if not k.endswith("_s")} for r in episodes]
     report["summary"] = {
         "episodes": len(episodes), "successes": sum(r["success"] for r in episodes),
+        # how far the failures got: episodes by the highest reward stage reached (transfer cube:
+        # 1 right gripper on the cube, 2 lifted, 3 left gripper on it, 4 transferred)
+        "episodes_by_max_reward": {str(k): sum(r["max_reward"] == k for r in episodes)
+                                   for k in sorted({r["max_reward"] for r in episodes})},
         "calls": sum(r["calls"] for r in episodes), "steps": sum(r["steps"] for r in episodes),
         "call_s": calls, "phase_mean_s": {k: statistics.fmean(v) for k, v in phases.items()},
         "render_mean_s": statistics.fmean(x for r in episodes for x in r["render_s"]),
