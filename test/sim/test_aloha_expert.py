@@ -36,6 +36,32 @@ def test_the_expert_hands_the_cube_over(env, seed):
     assert step.success and lifted and env.steps < 350
 
 
+def test_the_left_arm_waits_when_the_cube_was_not_lifted(env):
+    """The robot holds still (a policy that never grasped, as in DAgger): at the hand-over the cube
+    is still on the table, so the left arm's targets stay at its waiting point instead of
+    reaching for it; the right arm's plan is unchanged."""
+    held = np.asarray(env.reset(4), np.float64)
+    expert = TransferCubeExpert(env)
+    expert.reset()
+    targets = []
+    for _ in range(320):
+        targets.append(expert.action())
+        env.step(held)
+    targets = np.array(targets)
+    assert env.object_position()[2] < expert.plan.lifted_above
+    wait = expert.plan.handover - 1
+    np.testing.assert_allclose(targets[wait:, :7], np.tile(targets[wait, :7], (320 - wait, 1)), atol=1e-6)
+    assert np.abs(np.diff(targets[wait:, 7:13], axis=0)).max() < 1e-6     # right arm: at the meeting point
+    # with the cube lifted (the plan executed) the left arm does move after the hand-over
+    env.reset(4)
+    expert.reset()
+    moving = []
+    for _ in range(320):
+        moving.append(expert.action())
+        env.step(moving[-1])
+    assert np.abs(np.array(moving)[-1, :6] - np.array(moving)[wait, :6]).max() > 0.1
+
+
 def test_ik_reaches_a_reachable_pose_and_keeps_the_joint_ranges(env):
     env.reset(0)
     ik = ArmIK(env.physics)

@@ -82,6 +82,7 @@ class TransferCubePlan:
     left_wait: tuple[float, float, float] = (-0.13, 0.0, -0.05)    # left arm while the cube is lifted, relative to meet
     left_start: tuple[float, float, float] = (-0.1, 0.0, -0.005)   # left approach start, relative to the cube
     left_grip: tuple[float, float, float] = (0.02, 0.0, 0.0)       # left grasp point, relative to the cube
+    lifted_above: float = 0.1     # m: the cube's centre at least this high at the hand-over, or the left arm waits
 
 
 class ArmIK:
@@ -189,8 +190,13 @@ class TransferCubeExpert:
         self.step = 0
 
     def _plan_handover(self) -> None:
+        """The left arm's approach to where the right arm holds the cube. When the cube is not up
+        (a policy drove the right arm and missed it: DAgger), the left arm keeps waiting: reaching
+        for a cube on the table or off it is nothing to demonstrate."""
         p = self.plan
         cube = self.env.object_position()          # where the right arm actually holds it
+        if cube[2] < p.lifted_above:
+            return
         start, grip = cube + p.left_start, cube + p.left_grip
         self.waypoints["left"] += [Waypoint(p.handover, start, self.LEFT_IN, OPEN),
                                    Waypoint(p.handover + p.approach, grip, self.LEFT_IN, OPEN),
