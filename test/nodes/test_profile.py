@@ -84,3 +84,14 @@ def test_sim_profile_names_the_joints_the_demo_robot_records():
     from vla_runtime.sim.scenes import joint_names
 
     assert load_profile(CONFIG / "sim.yaml").joint_names == joint_names(1)
+
+
+def test_joint_limits_carry_positions_and_speeds():
+    aloha = load_profile(CONFIG / "aloha.yaml")
+    limits = aloha.joint_limits()
+    assert limits.dim == 14
+    assert list(limits.lower) == list(aloha.joint_lower) and list(limits.upper) == list(aloha.joint_upper)
+    assert list(limits.max_velocity) == list(aloha.max_velocity)
+    data = yaml.safe_load((CONFIG / "sim.yaml").read_text())
+    data.pop("max_velocity", None)
+    assert profile_from_dict(data).joint_limits().max_velocity is None

@@ -10,7 +10,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from vla_runtime.engine.safety import JointLimits
 from vla_runtime.nodes.profile import EngineSpec, load_profile
 from vla_runtime.sim.aloha_env import STATE_DIM, AlohaSimConfig, AlohaTask
 from vla_runtime.tools.aloha_sim import DEFAULT_PROFILE, AlohaRunSpec, check_profile, run_aloha, run_episode
@@ -50,7 +49,7 @@ class _Broken:
 
 def test_out_of_limit_and_nan_chunks_are_filtered_before_the_simulator():
     profile = load_profile(ROOT / "config" / "aloha.yaml")
-    limits = JointLimits.from_lists(list(profile.joint_lower), list(profile.joint_upper), list(profile.max_velocity))
+    limits = profile.joint_limits()
     with AlohaTask(AlohaSimConfig(image_size=16, max_steps=20)) as env:
         rec = run_episode(env, _Broken(), limits, seed=0, n_execute=10)
     assert rec["outside_limits"] == 0 and rec["steps"] == 20

@@ -32,7 +32,6 @@ from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
 from vla_runtime.msg import ActionChunk, PrefixRequest, SlotReady
 
 from ..engine.controller import ControllerConfig, StreamingController
-from ..engine.safety import JointLimits
 from ..ipc.ring import RingBufferError
 from .adapters import group_commands, single_commands
 from .conversions import InputError, JointStateAssembler, StampCheck, chunk_to_trajectory, instruction_from_msg, stamp_ns
@@ -62,8 +61,7 @@ class PolicyNode(Node):
                              action_dim=prof.state_dim, stitch=s.stitch, predictor=s.predictor,
                              max_obs_age_s=s.max_obs_age_s, watchdog_s=s.watchdog_s, on_stale=s.on_stale,
                              stream_horizon=s.stream_horizon),
-            JointLimits(np.asarray(prof.joint_lower), np.asarray(prof.joint_upper),
-                        None if prof.max_velocity is None else np.asarray(prof.max_velocity)))
+            prof.joint_limits())
         self.joints = JointStateAssembler(prof.joint_names)
         self.task: str | None = None
         self.lock = threading.Lock()

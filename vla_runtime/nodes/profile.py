@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from ..engine.safety import JointLimits
 from ..engine.stitching import StitchConfig
 from ..models.config import PRESETS
 
@@ -104,6 +105,11 @@ class RobotProfile:
     @property
     def state_dim(self) -> int:
         return len(self.joint_names)
+
+    def joint_limits(self) -> JointLimits:
+        """The safety filter's limits: positions, and speeds when the profile gives them."""
+        return JointLimits.from_lists(list(self.joint_lower), list(self.joint_upper),
+                                      None if self.max_velocity is None else list(self.max_velocity))
 
     def validate(self) -> "RobotProfile":
         def bad(key: str, msg: str) -> ProfileError:

@@ -34,7 +34,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..engine.safety import JointLimits, SafetyFilter
+from ..engine.safety import SafetyFilter
 from ..io.bags import BagTopics, profile_topics, write_episode_bag
 from ..nodes.profile import RobotProfile, load_profile
 from ..sim.aloha_env import CONTROL_DT, DEFAULT_CAMERAS, AlohaSimConfig, AlohaTask
@@ -89,9 +89,7 @@ def joint_layout(profile: RobotProfile) -> dict[str, list[str]]:
 def safety_command(env: AlohaTask, profile: RobotProfile) -> CommandFilter:
     """The profile's safety filter (limits, speed) on every executed command, as the policy node
     applies it; restarted from the robot's state at each episode's first step."""
-    limits = JointLimits.from_lists(list(profile.joint_lower), list(profile.joint_upper),
-                                    None if profile.max_velocity is None else list(profile.max_velocity))
-    safety = SafetyFilter(limits, CONTROL_DT)
+    safety = SafetyFilter(profile.joint_limits(), CONTROL_DT)
 
     def command(action: np.ndarray, step: int) -> np.ndarray:
         if step == 0:

@@ -137,8 +137,7 @@ def run_aloha(spec: AlohaRunSpec, log: Callable[[str], None] = print) -> dict[st
     profile = load_profile(spec.profile)
     check_profile(profile, spec.cameras)
     cameras = [c.name for c in profile.cameras]               # the model's camera order is the profile's
-    limits = JointLimits.from_lists(list(profile.joint_lower), list(profile.joint_upper),
-                                    None if profile.max_velocity is None else list(profile.max_velocity))
+    limits = profile.joint_limits()
     spec.out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"task": spec.task, "profile": str(spec.profile), "cameras": cameras,
                               "joint_names": list(profile.joint_names), "n_execute": spec.n_execute,
