@@ -190,7 +190,7 @@ def test_stall_is_reported_and_resets_the_episode(repo, demo, policy, caplog):
             manager.observe_state(torch.as_tensor(frame.state))
             results.append(manager.select(feats))
     assert all(r is not None for r in results[:max_calls]) and results[-1] is None
-    assert len(manager.stalls) == 1 and "stall" in caplog.text
+    assert manager.stalls == 1 and "stall" in caplog.text
     assert manager.retriever.reason.startswith("stall: reference")   # the dense call says why
     assert not manager.retriever.stalled and len(manager.entries) > 0   # reset: ready to serve again
     manager.observe_state(torch.as_tensor(frame.state))

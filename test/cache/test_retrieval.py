@@ -206,8 +206,10 @@ def test_candidate_matrix_slots():
     m.put(("a", 1), unit(1), torch.zeros(L, D))
     with pytest.raises(ValueError, match="full"):
         m.put(("b", 0), unit(1), torch.zeros(L, D))
-    m.remove(("a", 0))
-    assert m.put(("b", 0), unit(1), torch.zeros(L, D)) == 0 and len(m) == 2 and ("a", 0) not in m
+    m.remove(("a", 0))                                                    # rows stay packed:
+    assert m.keys == [("a", 1)] and torch.allclose(m.features[0], unit(1))  # the last row filled the hole
+    assert m.put(("b", 0), unit(1), torch.zeros(L, D)) == 1 and len(m) == 2 and ("a", 0) not in m
+    assert m.features.shape[0] == 2
     with pytest.raises(ValueError, match="history"):
         m.put(("c", 0), unit(1), torch.zeros(L + 1, D))
 

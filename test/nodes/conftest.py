@@ -22,3 +22,83 @@ def demo(tmp_path_factory) -> dict:
                      demo_topics(CAMS), call_period=0.5, cfg=BuildConfig(rho_n=0.5), log=lambda m: None)
     episode = read_episode(list_episode_bags(info["held_out"])[0], demo_topics(CAMS), call_period=0.5)
     return {**info, "repo": root / "repo", "episode": episode}
+
+
+class ReferenceOracle:
+    """What a pipeline call must return given the reference it reports, computed in this process.
+
+    Which reference a call gets depends on how far the cache manager's window had slid when the
+    vision process selected (three processes run asynchronously, by design); what the call
+    computes from that reference does not. So the oracle reconstructs the reported entry from the
+    repository itself (``reconstruct_entry`` on its own model) and runs the cached engine with
+    the halves the call used; a call that read a stale or torn working set would differ.
+    """
+
+    def __init__(self, demo: dict, seed: int, rho_p: float = 0.4):
+        from vla_runtime.cache.repository import ReferenceRepository
+
+        self.policy = Pi05Policy.from_checkpoint(demo["checkpoint"], camera_names=list(CAMS))
+        self.repo = ReferenceRepository.open(demo["repo"])
+        self.seed, self.rho_p = seed, rho_p
+        self._engines: dict[tuple[bool, bool], object] = {}
+
+    def _engine(self, context: bool, action: bool):
+        from vla_runtime.engine.cached import CacheConfig, CachedEngine
+
+        if (context, action) not in self._engines:
+            self._engines[context, action] = CachedEngine(self.policy.engine.model, CacheConfig(
+                rho_p=self.rho_p, rho_n=self.repo.meta.rho_n, groups=tuple(tuple(g) for g in self.repo.meta.mask_groups),
+                context_cache=context, action_cache=action))
+        return self._engines[context, action]
+
+    def entry(self, key):
+        import torch
+
+        from vla_runtime.cache.entry import reconstruct_entry
+        from vla_runtime.cache.manager import stored_images_to_model
+
+        call = self.repo.load_call(*key)
+        return reconstruct_entry(self.policy.engine.model, key, stored_images_to_model(call.images),
+                                 call.image_mask, call.tokens, call.token_mask, call.masks.to(torch.int64))
+
+    def expect(self, frame, task: str, noise_key: int, reference=None, context: bool = False,
+               action: bool = False):
+        """Actions (robot units) of one call: dense without ``reference`` (an entry key), else with
+        the reference's states in the halves named."""
+        import torch
+
+        from vla_runtime.engine.policy import Observation
+
+        obs = Observation(frame.images, frame.state, task)
+        noise = self.policy.engine.make_noise(1, torch.Generator().manual_seed(self.seed * 1_000_003 + noise_key))
+        if reference is None or not (context or action):
+            return self.policy.predict(obs, noise=noise).actions
+        entry = self.entry(reference)
+        res = self._engine(context, action).infer(self.policy.prepare(obs), noise=noise,
+                                                  select=lambda features, inputs=None: entry)
+        return self.policy.action_norm.unnormalize(res.actions[0]).numpy()
+
+    def check(self, result, choice, frame, task: str, atol: float = 1e-5) -> None:
+        """The pipeline's ``ChunkResult`` (noise of its ``request_seq``) against the oracle, given the
+        reference it reports.
+
+        atol: the oracle runs the same operations in another process layout (the slot's K/V copy
+        is exact, but a different torch thread count may reorder float32 reductions): actions of
+        order 1, a few float32 ulps through 10 Euler steps stay far below 1e-5."""
+        import numpy as np
+
+        key = (choice.episode, choice.index) if choice is not None and choice.found else None
+        want = self.expect(frame, task, result.request_seq, key, bool(result.meta.context_cache), result.used_reference)
+        np.testing.assert_allclose(result.chunk, want, rtol=0, atol=atol)
+
+
+@pytest.fixture(scope="session")
+def oracle(demo) -> ReferenceOracle:
+    """The reference oracle of the demo robot at the pipelines' noise seed (3)."""
+    return ReferenceOracle(demo, seed=3)
+
+
+@pytest.fixture(scope="session")
+def oracle_for():
+    """An oracle for another demo robot a test builds itself: ``oracle_for(demo_dict, seed)``."""
+    return ReferenceOracle

@@ -35,7 +35,7 @@ def _sim() -> dict:
     (lambda d: d["output"].update(kind="ros1"), "output.kind"),
     (lambda d: d.update(arm_slices=[[0, 9]]), "arm_slices"),
     (lambda d: d["engine"].update(dtype="int8"), "engine.dtype"),
-    (lambda d: d.update(cache={"reference_timeout_s": 0}), "cache.reference_timeout_s"),
+    (lambda d: d.update(cache={"background_nice": 20}), r"cache.background_nice: must be an int in \[0, 19\]"),
     (lambda d: d.update(cache={"action_cache": "yes"}), "context_cache and action_cache must be true or false"),
     (lambda d: d.update(cache={"min_similarity": 0}), r"cache.min_similarity: must be in \(0, 1\]"),
     (lambda d: d.update(cache={"first_scene_floor": "yes"}), "cache.first_scene_floor: must be true or false"),
@@ -51,6 +51,16 @@ def test_mistakes_are_refused_by_name(edit, message):
     edit(d)
     with pytest.raises(ProfileError, match=message):
         profile_from_dict(d, "sim")
+
+
+def test_a_retired_cache_key_is_warned_and_ignored(caplog):
+    """``cache.reference_timeout_s`` (the vision node's wait for the cache manager, gone with the
+    wait itself): an old profile still loads, and says the key does nothing now."""
+    d = _sim()
+    d["cache"] = {"reference_timeout_s": 0.5, "min_similarity": 0.7}
+    with caplog.at_level("WARNING"):
+        prof = profile_from_dict(d, "sim")
+    assert prof.cache.min_similarity == 0.7 and "sim.cache.reference_timeout_s is no longer used" in caplog.text
 
 
 def test_missing_and_broken_files(tmp_path):

@@ -26,6 +26,8 @@ class PreparedEntry:
     ffn_out: Tensor       # [depth - 1, Pv, W] their FFN outputs
     image_mask: Tensor    # [N] bool: the camera layout the states were recorded with
     masks: Tensor | None  # [G, expert depth, K] int64 neuron indices (Action Cache), None: dense denoising
+    retrieval: Tensor | None = None       # the stored call's retrieval features (published with the entry)
+    state_history: Tensor | None = None   # [L, D] its joint history (the rerank)
 
     @property
     def visual_tokens(self) -> int:

@@ -21,7 +21,8 @@ from torch import Tensor
 from ..models.pi05 import Pi05Model
 from .entry import EntryKey, PreparedEntry, reconstruct_entry
 from .repository import ReferenceCall, ReferenceRepository, RepositoryError
-from .retrieval import CandidateMatrix, Match, RetrievalConfig, Retriever
+from .retrieval import CandidateMatrix, Match, RetrievalConfig
+from .selector import ReferenceSelector, Selection
 from .window import SlidingWindow, WindowConfig, WindowPlan, reconstruction_budget
 
 log = logging.getLogger(__name__)
@@ -72,16 +73,15 @@ class CacheManager:
         hist_len, state_dim = layout["state_history"]
         if hist_len < cfg.retrieval.history_len:
             raise ValueError(f"repository histories cover {hist_len} calls, retrieval needs {cfg.retrieval.history_len}")
-        self.state_dim = state_dim
         capacity = cfg.window.capacity + max((len(repository.episodes(t)) for t in repository.tasks()), default=0)
         self.matrix = CandidateMatrix(capacity, feat_dim, hist_len, state_dim)
-        self.retriever = Retriever(cfg.retrieval, self, on_stall=self._on_stall)
-        self.stalls: list[Match] = []
+        lengths = {t: {r.episode_id: r.num_calls for r in repository.episodes(t)} for t in repository.tasks()}
+        self.selector = ReferenceSelector(cfg.retrieval, self, lengths, state_dim)
         self.window = SlidingWindow(cfg.window)
         self.entries: MutableMapping[EntryKey, Any] = {} if entries is None else entries
         self.task: str | None = None
-        self.history: list[Tensor] = []
-        self.last_match: Match | None = None
+        self.last_selection: Selection | None = None
+        self.stalls = 0
         # recent load / rebuild times per entry (the budget of Eq. 5 uses their means): bounded
         self._rebuild_s: deque[float] = deque(maxlen=256)
         self._load_s: deque[float] = deque(maxlen=256)
@@ -112,9 +112,8 @@ class CacheManager:
         """New episode: task pack, fresh window; prepares the initial window (before the robot moves)."""
         self._clear()
         self.task = task
+        self.selector.start_episode(task)
         records = self.repo.episodes(task)
-        max_calls = max((r.num_calls for r in records), default=1)
-        self.retriever.start_episode(task, max_calls, {r.episode_id: r.num_calls for r in records})
         if not records:
             log.warning("no reference episodes for task %r: running dense", task)
             return PrepareReport()
@@ -122,43 +121,52 @@ class CacheManager:
         plan = self.window.initial_plan([r.episode_id for r in records], budget=self.cfg.window.capacity + len(records))
         return self._apply(plan, budget=len(plan.add))
 
+    # ------------------------------------------------------------ in-process selection
     def observe_state(self, state: Tensor) -> None:
-        """The robot state at the coming call (joint-history rerank)."""
-        # a copy: callers pass views of buffers they reuse (the query ring's), the history must not follow them
-        state = torch.as_tensor(state, dtype=torch.float32).reshape(-1).clone()
-        if state.numel() != self.state_dim:
-            raise ValueError(f"state has {state.numel()} values, the repository's {self.state_dim}")
-        self.history.append(state)
+        """The robot state at the coming call (joint-history rerank), for ``select``."""
+        self.selector.observe_state(state)
 
-    def state_history(self) -> Tensor:
-        """[L, D]: the states at the last L calls, the oldest repeated to fill (as recorded)."""
-        n = self.cfg.retrieval.history_len
-        if not self.history:
-            raise RuntimeError("observe_state() must be called before each call")
-        h = self.history[-n:]
-        return torch.stack([h[0]] * (n - len(h)) + h)
-
-    # ------------------------------------------------------------ per call
     def select(self, features: Tensor, inputs=None) -> Any:
-        """Reference for this call from its retrieval features (the engine's ReferenceSelector)."""
+        """Reference for this call from its retrieval features (the engine's ReferenceSelector):
+        selection in this process over the manager's own candidates, then ``follow``."""
         if self.task is None:
             return None
-        match = self.retriever.query(features, self.state_history())
-        self.last_match = match
+        match = self.selector.select(features)
+        self.follow(self.selector.selection(-1, 0))
         if match is None:
-            if self.retriever.reason:
-                log.debug("dense call: %s", self.retriever.reason)
+            if self.selector.reason:
+                log.debug("dense call: %s", self.selector.reason)
             return None
         return self.entries.get(match.key)
+
+    @property
+    def retriever(self):
+        """The in-process selector's retriever (its statistics, reason, episode state)."""
+        return self.selector.retriever
+
+    @property
+    def last_match(self) -> Match | None:
+        return None if self.last_selection is None else self.last_selection.match
+
+    # ------------------------------------------------------------ window upkeep
+    def follow(self, selection: Selection) -> None:
+        """Where the call that just ran was (chosen wherever selection runs): ``prepare`` slides the
+        window after it. A stall restarts the episode's window (its retrieval restarted)."""
+        if selection.restart and self.task is not None:
+            log.warning("stall detected for task %r: %s; the episode's window restarts", self.task, selection.reason)
+            self.stalls += 1
+            self._restart_window()
+        self.last_selection = selection
 
     def prepare(self, time_available_s: float | None = None) -> PrepareReport:
         """Slide the window after a call and rebuild newly entering entries within the budget (Eq. 5).
 
         Meant to run while the robot executes the chunk; ``time_available_s`` is that time.
         """
-        m = self.last_match
-        if m is None or self.retriever.fallback or self.retriever.stalled:
+        sel = self.last_selection
+        if sel is None or sel.match is None or sel.dense_for_episode or sel.task != self.task:
             return PrepareReport()
+        m = sel.match
         matches = self._aligned_positions(m)
         missing = self.window.missing(matches)
         entry_bytes = self._entry_bytes()
@@ -173,23 +181,23 @@ class CacheManager:
         return self._apply(self.window.plan(matches, budget), budget)
 
     # ------------------------------------------------------------ internals
-    def _on_stall(self, match: Match) -> None:
-        """The same reference keeps coming back: the robot is not progressing. Report it and
-        start the episode's retrieval afresh (the call itself runs dense)."""
-        self.stalls.append(match)
-        reason = self.retriever.reason
-        log.warning("stall detected for task %r: %s; the episode's cache state is reset", self.task, reason)
+    def _restart_window(self) -> None:
+        """The initial window of the current task again (its selection state is the selector's)."""
         task = self.task
-        if task is not None:
-            self.start_episode(task)
-            self.retriever.reason = reason   # why this call runs dense (the restart cleared it)
+        self._clear()
+        self.task = task
+        records = self.repo.episodes(task) if task is not None else []
+        if records:
+            plan = self.window.initial_plan([r.episode_id for r in records],
+                                            budget=self.cfg.window.capacity + len(records))
+            self._apply(plan, budget=len(plan.add))
 
     def _aligned_positions(self, m: Match) -> dict[str, int]:
         """Current position in every candidate episode: the match itself, and the same progress
         (fraction of the episode) in the others, which is where retrieval tends to go next."""
         lengths = self.window.lengths
         progress = m.index / max(lengths[m.episode_id] - 1, 1)
-        eps = self.retriever.candidate_episodes() or [m.episode_id]
+        eps = [e for e in self.last_selection.candidates if e in lengths] or [m.episode_id]
         out = {m.episode_id: m.index}
         for e in eps[: self.cfg.window.episodes]:
             if e not in out:
@@ -217,7 +225,9 @@ class CacheManager:
             t1 = time.perf_counter()
             call = self.repo.load_call(*key)
             t2 = time.perf_counter()
-            self.entries[key] = self._reconstruct(key, call)
+            entry = self._reconstruct(key, call)
+            entry.retrieval, entry.state_history = call.retrieval, call.state_history   # published for selection
+            self.entries[key] = entry
             self._load_s.append(t2 - t1)
             self._rebuild_s.append(time.perf_counter() - t2)
             self.matrix.put(key, call.retrieval, call.state_history)
@@ -235,8 +245,7 @@ class CacheManager:
         self.entries.clear()
         self.matrix.clear()
         self.window.reset()
-        self.history.clear()
-        self.last_match = None
+        self.last_selection = None
 
     def memory_report(self) -> dict[str, int]:
         per_entry = self._entry_bytes()

@@ -105,11 +105,12 @@ class RetrievalStats:
 
 
 class CandidateMatrix:
-    """Prepared candidates of one task in preallocated slots.
+    """Prepared candidates of one task in preallocated rows, kept packed: rows ``[0, len)`` hold
+    the candidates, so a query multiplies only those (a removed row is filled with the last one).
 
     Features are flattened, converted to float32 and L2-normalised once on ``put``, so a query
-    costs one ``[capacity, F] @ [F]`` product. Free slots are masked by ``valid``; each slot also
-    carries an integer episode code so episode-level reductions stay vectorised.
+    costs one ``[len, F] @ [F]`` product. Each row also carries an integer episode code so
+    episode-level reductions stay vectorised.
     """
 
     def __init__(self, capacity: int, feature_dim: int, history_len: int, state_dim: int,
@@ -119,30 +120,43 @@ class CandidateMatrix:
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"CandidateMatrix.{name} must be a positive int, got {v!r}")
         self.capacity, self.feature_dim = capacity, feature_dim
-        self.features = torch.zeros(capacity, feature_dim, dtype=torch.float32, device=device)
-        self.histories = torch.zeros(capacity, history_len, state_dim, dtype=torch.float32, device=device)
-        self.valid = torch.zeros(capacity, dtype=torch.bool, device=device)
-        self.episode_code = torch.full((capacity,), -1, dtype=torch.int64, device=device)
-        self.keys: list[Key | None] = [None] * capacity
+        self._features = torch.zeros(capacity, feature_dim, dtype=torch.float32, device=device)
+        self._histories = torch.zeros(capacity, history_len, state_dim, dtype=torch.float32, device=device)
+        self._codes_by_row = torch.full((capacity,), -1, dtype=torch.int64, device=device)
+        self.keys: list[Key] = []
         self._slot: dict[Key, int] = {}
-        self._free = list(range(capacity - 1, -1, -1))   # pop() yields the lowest free slot
         self._codes: dict[str, int] = {}
         self.episode_of_code: list[str] = []
 
     @property
     def device(self) -> torch.device:
-        return self.features.device
+        return self._features.device
+
+    @property
+    def features(self) -> Tensor:
+        """[len, F] the candidates' normalised features (a view)."""
+        return self._features[: len(self.keys)]
+
+    @property
+    def histories(self) -> Tensor:
+        """[len, L, D] their joint histories (a view)."""
+        return self._histories[: len(self.keys)]
+
+    @property
+    def episode_code(self) -> Tensor:
+        """[len] each candidate's episode code (a view)."""
+        return self._codes_by_row[: len(self.keys)]
 
     @property
     def history_len(self) -> int:
-        return self.histories.shape[1]
+        return self._histories.shape[1]
 
     @property
     def state_dim(self) -> int:
-        return self.histories.shape[2]
+        return self._histories.shape[2]
 
     def __len__(self) -> int:
-        return len(self._slot)
+        return len(self.keys)
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._slot
@@ -155,37 +169,44 @@ class CandidateMatrix:
         return self._codes[episode_id]
 
     def put(self, key: Key, feature: Tensor, history: Tensor) -> int:
-        """Insert or overwrite one prepared entry; returns its slot."""
+        """Insert or overwrite one prepared entry; returns its row."""
         if feature.numel() != self.feature_dim:
             raise ValueError(
                 f"candidate {key}: feature has {feature.numel()} elements, matrix holds {self.feature_dim}")
-        if tuple(history.shape) != tuple(self.histories.shape[1:]):
+        if tuple(history.shape) != tuple(self._histories.shape[1:]):
             raise ValueError(
-                f"candidate {key}: history {tuple(history.shape)}, matrix holds {tuple(self.histories.shape[1:])}")
-        slot = self._slot.get(key)
-        if slot is None:
-            if not self._free:
-                raise ValueError(f"CandidateMatrix is full ({self.capacity} slots); remove an entry first")
-            slot = self._free.pop()
-        f = feature.detach().reshape(-1).to(self.device, torch.float32)
-        self.features[slot] = f / f.norm().clamp_min(1e-12)
-        self.histories[slot] = history.detach().to(self.device, torch.float32)
-        self.valid[slot] = True
-        self.episode_code[slot] = self.code(key[0])
-        self.keys[slot] = key
-        self._slot[key] = slot
-        return slot
+                f"candidate {key}: history {tuple(history.shape)}, matrix holds {tuple(self._histories.shape[1:])}")
+        row = self._slot.get(key)
+        if row is None:
+            if len(self.keys) == self.capacity:
+                raise ValueError(f"CandidateMatrix is full ({self.capacity} rows); remove an entry first")
+            row = len(self.keys)
+            self.keys.append(key)
+            self._slot[key] = row
+        dst = self._features[row]
+        dst.copy_(feature.detach().reshape(-1))
+        dst.div_(dst.norm().clamp_min(1e-12))
+        self._histories[row].copy_(history.detach())
+        self._codes_by_row[row] = self.code(key[0])
+        return row
 
     def remove(self, key: Key) -> None:
-        slot = self._slot.pop(key)
-        self.valid[slot] = False
-        self.episode_code[slot] = -1
-        self.keys[slot] = None
-        self._free.append(slot)
+        row = self._slot.pop(key)
+        last = len(self.keys) - 1
+        if row != last:   # keep the rows packed: the last candidate fills the hole
+            moved = self.keys[last]
+            self._features[row].copy_(self._features[last])
+            self._histories[row].copy_(self._histories[last])
+            self._codes_by_row[row] = self._codes_by_row[last]
+            self.keys[row] = moved
+            self._slot[moved] = row
+        self.keys.pop()
+        self._codes_by_row[last] = -1
 
     def clear(self) -> None:
-        for key in list(self._slot):
-            self.remove(key)
+        self.keys.clear()
+        self._slot.clear()
+        self._codes_by_row.fill_(-1)
 
     @classmethod
     def from_tensors(cls, keys: list[Key], features: Tensor, histories: Tensor, capacity: int | None = None,
@@ -304,15 +325,15 @@ class Retriever:
         if any(end > pack.state_dim for _, end in arms):
             raise ValueError(f"arm_slices {arms} exceed the state dimension {pack.state_dim}")
 
+        if len(pack) == 0:
+            self.reason = "no prepared candidates"
+            return None
         q = features.detach().reshape(-1).to(pack.device, torch.float32)
-        q = q / q.norm().clamp_min(1e-12)
-        sims = pack.features @ q                                    # [capacity], float32
-        eligible = pack.valid
+        sims = (pack.features @ q).div_(q.norm().clamp_min(1e-12))   # [len], cosine (rows are unit vectors)
         if self._episodes:
-            codes = [pack.code(e) for e in self._episodes]
-            eligible = eligible & torch.isin(pack.episode_code, torch.tensor(codes, device=pack.device))
-        sims = sims.masked_fill(~eligible, -math.inf)
-        n_eligible = int(eligible.sum())
+            codes = torch.tensor([pack.code(e) for e in self._episodes], device=pack.device)
+            sims = sims.masked_fill(~torch.isin(pack.episode_code, codes), -math.inf)
+        n_eligible = int(torch.isfinite(sims).sum())
         if n_eligible == 0:
             self.reason = "no prepared candidates"
             return None

@@ -72,6 +72,28 @@ class SlotInfo:
     meta: dict | bytes | None
 
 
+class PinnedSlot:
+    """One committed payload read in place: zero-copy views of the slot, valid while ``valid()``.
+
+    Why: a reader that only computes from a payload (the vision node's Context Cache reads a
+    reference's FFN states) need not copy it first. The seqlock still decides: whatever the
+    reader computed from the views counts only if ``valid()`` holds *after* the computation
+    (no write to the slot began since the pin), exactly as a copy counts only if the seqlock did
+    not move during the copy. A pin never blocks the writer.
+    """
+
+    __slots__ = ("ring", "slot", "seq", "meta", "views", "_lock_word")
+
+    def __init__(self, ring: "RingBuffer", slot: int, seq: int, meta: dict | bytes | None,
+                 views: dict[str, torch.Tensor], lock_word: int) -> None:
+        self.ring, self.slot, self.seq, self.meta, self.views = ring, slot, seq, meta, views
+        self._lock_word = lock_word
+
+    def valid(self) -> bool:
+        """True while no write to the slot has started since the pin (reads after use count)."""
+        return self.ring._pin_still_valid(self.slot, self._lock_word)
+
+
 @dataclass
 class ReadStats:
     """Per-process reader counters (never shared: readers must not write to the segment)."""
@@ -598,6 +620,54 @@ class RingBuffer:
             self.stats.overwritten += 1
         return info
 
+    def slot_seq(self, slot: int) -> int:
+        """The sequence slot ``slot`` holds now (-1: empty or being written): one word, no copy, a
+        hint to decide whether a slot changed since it was last read (``pin`` then checks)."""
+        self._check_open()
+        w = self._w
+        if int(w[self._hword(slot, C.H_SEQLOCK)]) & 1:
+            return -1
+        return int(w[self._hword(slot, C.H_SEQ)])
+
+    def pin(self, slot: int, seq: int | None = None) -> PinnedSlot | None:
+        """The payload in ``slot`` (sequence ``seq``; None: whatever committed payload is there) as
+        zero-copy views, or None when the slot is empty, being written or holds another sequence.
+
+        Check ``PinnedSlot.valid()`` after using the views: only then was what they held one
+        committed payload throughout. The header (sequence, metadata) is checked here as a read
+        checks it.
+        """
+        self._check_open()
+        if not 0 <= slot < self.slots:
+            raise ValueError(f"slot must be in [0, {self.slots}), got {slot}")
+        w, lock = self._w, self._hword(slot, C.H_SEQLOCK)
+        s1 = int(w[lock])
+        if s1 & 1:
+            return None
+        self._fence()
+        have = int(w[self._hword(slot, C.H_SEQ)])
+        if have < 0 or (seq is not None and have != seq):
+            return None
+        stamp, n, kind = int(w[self._hword(slot, C.H_STAMP)]), int(w[self._hword(slot, C.H_META_LEN)]), \
+            int(w[self._hword(slot, C.H_META_KIND)])
+        crc = int(w[self._hword(slot, C.H_CHECKSUM)])
+        meta_at = self._hdr + slot * C.SLOT_HEADER + C.META_OFFSET
+        blob = bytes(self._map[meta_at:meta_at + max(0, min(n, C.META_BYTES))])
+        self._fence()
+        if int(w[lock]) != s1 or crc != C.header_checksum(have, stamp, n, kind, blob):
+            return None
+        return PinnedSlot(self, slot, have, _decode_meta(kind, blob), self._payload.views[slot], s1)
+
+    def _pin_still_valid(self, slot: int, lock_word: int) -> bool:
+        self._payload.copies_done()
+        self._fence()
+        return not self._closed and int(self._w[self._hword(slot, C.H_SEQLOCK)]) == lock_word
+
+    def clear_slot(self, slot: int) -> None:
+        """Mark ``slot`` empty (its header sequence -1): readers and pins of its old payload fail
+        from now on. For a writer whose slots hold long-lived entries (the working set)."""
+        self.begin_write(slot).abort()
+
     def _try_read(self, slot: int, seq: int, out: dict[str, torch.Tensor]) -> SlotInfo | None:
         w, lock = self._w, self._hword(slot, C.H_SEQLOCK)
         s1 = int(w[lock])
@@ -665,6 +735,16 @@ class RingBuffer:
         if self.is_owner:
             return False
         return not _pid_alive(int(self._w[C.W_PID])) or _segment_nonce(self.name) != self._nonce
+
+    def replaced(self) -> bool:
+        """True when the name now names another segment, or none (a restarted writer created a new
+        one, or the writer closed it). Unlike ``superseded`` a dead writer alone does not count:
+        for a ring whose committed payloads stay valid until rewritten (the working set), a dead
+        writer's last payloads are still exactly what they were, and reading them is safe."""
+        self._check_open()
+        if self.is_owner:
+            return False
+        return _segment_nonce(self.name) != self._nonce
 
     # ---------------------------------------------------------------- lifetime
 

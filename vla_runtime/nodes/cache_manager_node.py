@@ -1,10 +1,11 @@
-"""The cache manager node: reference queries -> references from the robot's own past executions.
+"""The cache manager node: the window of references from the robot's own past executions.
 
 Thin rclpy wiring around ``CacheStage``. It owns the reference repository and the working set
-(shared memory): for each ``ReferenceQuery`` of the vision node it retrieves a reference and
-answers with a ``ReferenceReply``, then slides the working set (reconstructing entries that enter
-the window) while the robot executes the chunk. A disabled or refused cache answers every query
-with the reason, so the pipeline runs dense and says why.
+(shared memory) the vision node selects from. It is never on a call's path: each
+``ReferenceSelection`` (what the vision node chose, after the fact) slides the working set,
+reconstructing the entries that enter the window while the robot executes the chunk, at a lower
+CPU priority than the nodes that serve calls (``cache.background_nice``). A disabled or refused
+cache publishes no window, so the vision node runs dense and says why.
 """
 
 from __future__ import annotations
@@ -15,13 +16,15 @@ from diagnostic_msgs.msg import DiagnosticArray
 from rclpy.node import Node
 from std_msgs.msg import Empty
 
-from vla_runtime.msg import ReferenceQuery, ReferenceReply
+from vla_runtime.msg import ReferenceSelection
 
+from ..cache.retrieval import Match
 from .diagnostics import DIAGNOSTICS_TOPIC, diagnostic_array
 from .params import CACHE_MANAGER, declare_parameters, profile_and_checkpoint, ring_names
-from .prefix_ring import EPISODE_TOPIC, QUERY_TOPIC, REPLY_TOPIC
+from .prefix_ring import EPISODE_TOPIC, SELECTION_TOPIC
+from .priority import background_priority
 from .spin import run
-from .stages import CacheStage, QueryNote, load_policy
+from .stages import CacheStage, Selection, load_policy
 
 PARAMETERS = CACHE_MANAGER
 
@@ -35,11 +38,11 @@ class CacheManagerNode(Node):
         policy = load_policy(ckpt, self.profile.engine, [c.name for c in self.profile.cameras], prof.state_dim)
         self.chunk_s = policy.engine.cfg.chunk_size / prof.control_hz
         self.time_available_s = float(v["time_available_s"]) or self.chunk_s
-        self.last_answer_s = self.last_upkeep_s = 0.0
+        self.last_upkeep_s = 0.0
+        self.nice = background_priority(prof.cache.background_nice)
         self.stage = CacheStage(policy, prof.cache, ring_names(v), prof.arm_slices)
-        self.reply_pub = self.create_publisher(ReferenceReply, REPLY_TOPIC, 10)
         self.diag_pub = self.create_publisher(DiagnosticArray, DIAGNOSTICS_TOPIC, 10)
-        self.create_subscription(ReferenceQuery, QUERY_TOPIC, self._on_query, 10)
+        self.create_subscription(ReferenceSelection, SELECTION_TOPIC, self._on_selection, 10)
         self.create_subscription(Empty, EPISODE_TOPIC, self._on_episode_start, 10)
         self.create_timer(0.1, self.stage.heartbeat)
         self.create_timer(1.0, self._publish_diagnostics)
@@ -48,21 +51,18 @@ class CacheManagerNode(Node):
         self.get_logger().info(f"cache manager up: profile {prof.name}, repository {prof.cache.repository}, "
                                f"cache {state}")
 
-    def _on_query(self, q: ReferenceQuery) -> None:
+    def _on_selection(self, msg: ReferenceSelection) -> None:
+        match = Match(msg.episode_id, int(msg.index), float(msg.similarity), float("nan")) if msg.found else None
+        sel = Selection(int(msg.request_seq), msg.task, int(msg.episode), match, tuple(msg.candidates), msg.reason,
+                        bool(msg.restart), bool(msg.dense_for_episode))
         t0 = time.perf_counter()
-        choice = self.stage.answer(QueryNote(int(q.request_seq), q.task, int(q.slot), int(q.sequence), int(q.episode)))
-        out = ReferenceReply(request_seq=choice.request_seq, found=choice.found, ring=self.stage.rings.working_set,
-                             slot=max(choice.slot, 0), sequence=max(choice.seq, 0), episode_id=choice.episode,
-                             index=choice.index, similarity=float(choice.similarity), reason=choice.reason)
-        out.header.stamp = self.get_clock().now().to_msg()
-        self.reply_pub.publish(out)
-        answer_s = time.perf_counter() - t0
         try:
+            self.stage.follow(sel)
             self.stage.upkeep(self.time_available_s)
         except (ValueError, RuntimeError, OSError) as e:   # a broken episode file: dense from now, robot unaffected
-            self.get_logger().error(f"working-set upkeep failed, cache answers dense from now on: {e}")
+            self.get_logger().error(f"working-set upkeep failed, no more references are prepared: {e}")
             self.stage.disable(f"upkeep failed: {e}")
-        self.last_answer_s, self.last_upkeep_s = answer_s, time.perf_counter() - t0 - answer_s
+        self.last_upkeep_s = time.perf_counter() - t0
         self._publish_diagnostics()
 
     def _on_episode_start(self, _msg: Empty) -> None:
@@ -81,7 +81,7 @@ class CacheManagerNode(Node):
             self.time_available_s = float(value) or self.chunk_s
 
     def _publish_diagnostics(self) -> None:
-        values = {"answer_s": f"{self.last_answer_s:.4f}", "upkeep_s": f"{self.last_upkeep_s:.4f}",
+        values = {"upkeep_s": f"{self.last_upkeep_s:.4f}", "nice": str(self.nice),
                   "enabled": str(self.stage.enabled), "time_available_s": f"{self.time_available_s:.3f}"}
         if self.stage.worker is not None:
             values |= self.stage.worker.diagnostics()

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .profile import CacheSpec, RobotProfile, load_profile
+from .profile import RobotProfile, load_profile
 from .stages import RingNames
 
 
@@ -56,9 +56,8 @@ VISION = {
     "profile": PROFILE,
     "checkpoint": CHECKPOINT,
     "ring": Param("vla_prefix", "name of the prefix ring buffer (shared memory) this node creates", ring_name),
-    "query_ring": Param("vla_query", "name of the retrieval-query ring buffer this node creates (cache enabled)",
-                        ring_name),
-    "working_set": Param("vla_refs", "name of the cache manager's working-set ring buffer", ring_name),
+    "working_set": Param("vla_refs", "name of the cache manager's working-set ring buffer (reference selection "
+                                     "and the Context Cache read it)", ring_name),
     "ring_slots": Param(4, "slots in the prefix ring buffer, in [2, 64]", in_range(2, 64)),
     "max_image_age_s": Param(1.0, "a camera with no new frame for this long (s) is stale: calls are refused (the "
                                   "robot holds) until it sends again; 0 turns the check off (run-time)",
@@ -87,7 +86,6 @@ POLICY = {
 CACHE_MANAGER = {
     "profile": Param("", "robot profile YAML (config/<robot>.yaml); its cache section configures this node"),
     "checkpoint": CHECKPOINT,
-    "query_ring": Param("vla_query", "name of the vision node's retrieval-query ring buffer", ring_name),
     "working_set": Param("vla_refs", "name of the working-set ring buffer this node creates", ring_name),
     "time_available_s": Param(0.0, "rebuild budget per call for entries entering the window (rMuscle T_avl), "
                                    "seconds, in [0, 3600]; 0: one chunk's execution time (run-time)",
@@ -143,29 +141,11 @@ def declare_parameters(node: Any, table: dict[str, Param],
     return values
 
 
-def request_timeout_warning(request_timeout_s: float, cache: CacheSpec) -> str:
-    """Why the policy node's request time-out is too short for the profile's cache ('' when fine).
-
-    With the cache on, the vision node may wait up to ``cache.reference_timeout_s`` for a
-    reference before it even starts the prefill; a policy node that gives up sooner abandons
-    every such request and asks again, so a slow cache manager turns into no chunks at all
-    instead of dense ones. Twice the wait leaves room for the vision call itself. A warning, not
-    a refusal: the policy still runs, and a robot without a repository never waits.
-    """
-    if not cache.enabled or request_timeout_s > 2.0 * cache.reference_timeout_s:
-        return ""
-    return (f"request_timeout_s ({request_timeout_s:g} s) leaves little room above the cache's "
-            f"reference_timeout_s ({cache.reference_timeout_s:g} s), which the vision node may wait before its "
-            f"prefill: requests may be abandoned while they are served; set request_timeout_s above "
-            f"{2.0 * cache.reference_timeout_s:g} s")
-
-
 def ring_names(values: dict[str, Any]) -> RingNames:
     """The shared-memory names from a node's parameters (defaults where a node has no such parameter)."""
     d = RingNames()
-    names = RingNames(values.get("ring", d.prefix), values.get("query_ring", d.query),
-                      values.get("working_set", d.working_set))
-    for n in (names.prefix, names.query, names.working_set):
+    names = RingNames(values.get("ring", d.prefix), values.get("working_set", d.working_set))
+    for n in (names.prefix, names.working_set):
         if ring_name(n):
             raise ValueError(f"ring names must be non-empty, without '/', at most 200 characters; got {n!r}")
     return names

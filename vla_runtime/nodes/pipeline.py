@@ -24,9 +24,10 @@ import numpy as np
 
 from ..engine.policy import Pi05Policy
 from ..ipc.ring import RingBufferError
+from .priority import background_priority
 from .profile import CacheSpec, EngineSpec
-from .stages import (CacheStage, ChunkResult, PolicyStage, PrefixRequestNote, QueryNote, RingNames, VisionStage,
-                     cache_config, episode_noise_key, load_policy, open_repository_meta)
+from .stages import (CacheStage, ChunkResult, PolicyStage, PrefixRequestNote, RingNames, VisionStage, cache_config,
+                     episode_noise_key, load_policy, open_repository_meta)
 from .workers import ReferenceChoice
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ class PipelineSpec:
     ring_slots: int = 4
     arm_slices: tuple[tuple[int, int], ...] = ()
     time_available_s: float | None = None  # the working set's rebuild budget per call (None: the manager's default)
+    episode_ready_s: float = 10.0  # start_episode waits this long at most for the initial window (a robot's reset)
     state_dim: int | None = None   # the profile's joints: the checkpoint must have as many state/action dims
 
     def __post_init__(self) -> None:
@@ -94,7 +96,7 @@ class LocalPipeline:
         self.spec = spec
         policy = spec.load_policy()
         cc = cache_config(spec.cache, open_repository_meta(spec.cache, policy))
-        self.vision = VisionStage(policy, spec.rings, spec.ring_slots, cc)
+        self.vision = VisionStage(policy, spec.rings, spec.ring_slots, spec.cache, spec.arm_slices)
         try:
             self.cache = CacheStage(policy, spec.cache, spec.rings, spec.arm_slices) if cc is not None else None
             self.policy = PolicyStage(policy, spec.rings, cc, spec.seed)
@@ -123,9 +125,10 @@ class LocalPipeline:
 
     def call(self, images: dict[str, np.ndarray], state: np.ndarray, task: str, start_tick: int = 0) -> ChunkResult:
         req = self.numbering.request(state, task, start_tick)
-        ask = self.cache.answer if self.cache is not None and self.cache.enabled else None
-        note = self.vision.encode(req, images, ask)
+        note = self.vision.encode(req, images)
         self.last_choice = self.vision.last_choice
+        if self.cache is not None and self.vision.last_selection is not None:
+            self.cache.follow(self.vision.last_selection)
         t0 = time.perf_counter()
         result = self.policy.act(note)
         self.last_times = {**self.vision.last_timer.times.seconds, "denoise": time.perf_counter() - t0}
@@ -173,28 +176,16 @@ def _serve(name: str, spec: PipelineSpec, conn: Connection, body) -> None:
 
 def _vision_main(spec: PipelineSpec, conn: Connection) -> None:
     def body(policy: Pi05Policy):
-        cc = cache_config(spec.cache, open_repository_meta(spec.cache, policy)) if spec.cache.enabled else None
-        stage = VisionStage(policy, spec.rings, spec.ring_slots, cc)
-
-        def ask(q: QueryNote) -> ReferenceChoice | None:
-            conn.send(("query", q.request_seq, q))
-            deadline = time.monotonic() + spec.cache.reference_timeout_s
-            while conn.poll(max(0.0, deadline - time.monotonic())):
-                msg = conn.recv()
-                if msg[0] == "reply" and msg[1] == q.request_seq:   # late answers to earlier queries are dropped
-                    return msg[2]       # None: the cache manager is gone, this call runs dense
-            log.warning("no reference for call %d within %.3f s: dense", q.request_seq, spec.cache.reference_timeout_s)
-            return None
+        stage = VisionStage(policy, spec.rings, spec.ring_slots, spec.cache if spec.cache.enabled else None,
+                            spec.arm_slices)
 
         def loop() -> None:
             try:
                 while (msg := conn.recv()) != _STOP:
-                    if msg[0] != "request":   # a reply that came after its call went dense
-                        continue
                     _, req, images = msg
                     try:
-                        note = stage.encode(req, images, ask if cc is not None else None)
-                        conn.send(("slot", req.request_seq, note, stage.last_choice,
+                        note = stage.encode(req, images)
+                        conn.send(("slot", req.request_seq, note, stage.last_choice, stage.last_selection,
                                    dict(stage.last_timer.times.seconds)))
                     except ValueError as e:   # a bad observation: reported, the stage stays up
                         conn.send(("refused", req.request_seq, str(e)))
@@ -206,17 +197,18 @@ def _vision_main(spec: PipelineSpec, conn: Connection) -> None:
 
 def _cache_main(spec: PipelineSpec, conn: Connection) -> None:
     def body(policy: Pi05Policy):
+        background_priority(spec.cache.background_nice)
         stage = CacheStage(policy, spec.cache, spec.rings, spec.arm_slices)
 
         def loop() -> None:
             try:
                 while (msg := conn.recv()) != _STOP:
-                    if msg[0] == "begin":   # an episode announced ahead of its first query
+                    if msg[0] == "begin":   # an episode announced ahead of its first call
                         stage.begin(msg[1], msg[2])
-                        continue
-                    _, seq, q = msg
-                    conn.send(("reply", seq, stage.answer(q)))
-                    stage.upkeep(spec.time_available_s)   # while the other stages finish the call
+                        conn.send(("begun", msg[2]))
+                    else:                   # what a call selected: slide the window while it executes
+                        stage.follow(msg[1])
+                        stage.upkeep(spec.time_available_s)
             finally:
                 stage.close()
         return loop
@@ -255,8 +247,8 @@ class ProcessPipeline:
     This process routes the notes (one pipe per stage, like one ROS connection per node), so a
     stage can die and be started again while the others keep their state and shared memory:
     ``kill`` and ``restart`` do that on purpose (fault tests). A call whose stage died raises
-    ``StageDied``; a dead cache manager only turns calls dense (the vision stage is answered
-    "no reference" at once). Results of a call that timed out are dropped when they come late,
+    ``StageDied``; a dead (or stopped) cache manager only means that no new entries are prepared:
+    the vision stage selects from the window already published and never waits. Results of a call that timed out are dropped when they come late,
     never handed to a later call.
     """
 
@@ -269,7 +261,7 @@ class ProcessPipeline:
         self.numbering = RequestNumbering()
         self.last_choice: ReferenceChoice | None = None
         self.last_times: dict[str, float] = {}
-        self.last_episode_start_s = 0.0   # not seen here: the cache manager's process prepares in parallel
+        self.last_episode_start_s = 0.0   # how long the last start_episode waited for the initial window
         names = ("vision", "policy") + (("cache",) if spec.cache.enabled else ())
         try:
             for name in names:
@@ -347,12 +339,24 @@ class ProcessPipeline:
 
     def start_episode(self, task: str | None = None, noise_seed: int | None = None) -> None:
         """The next call starts a new episode (the same task again, e.g. a new object pose).
-        With ``task`` the cache manager process starts preparing it now, while this process
-        goes on (its first query waits behind the preparation in the pipe). With ``noise_seed``
-        the episode's noise depends on that seed only (``RequestNumbering``)."""
+        With ``task`` the cache manager process prepares its initial window now, and this process
+        waits for that at most ``spec.episode_ready_s`` (what a robot's reset gives it; measured
+        in ``last_episode_start_s``). Calls never wait: one that comes before the window is ready
+        runs dense. With ``noise_seed`` the episode's noise depends on that seed only."""
         self.numbering.start_episode(noise_seed)
-        if task:
-            self._send("cache", ("begin", task, self.episode))
+        self.last_episode_start_s = 0.0
+        if not task or not self._send("cache", ("begin", task, self.episode)):
+            return
+        t0 = time.perf_counter()
+        deadline = t0 + self.spec.episode_ready_s
+        conn = self.conns["cache"]
+        try:
+            while conn is not None and conn.poll(max(0.0, deadline - time.perf_counter())):
+                if conn.recv() == ("begun", self.episode):
+                    break
+        except (EOFError, OSError):
+            self._lost("cache")
+        self.last_episode_start_s = time.perf_counter() - t0
 
     def call(self, images: dict[str, np.ndarray], state: np.ndarray, task: str, start_tick: int = 0,
              timeout_s: float = 600.0) -> ChunkResult:
@@ -376,25 +380,21 @@ class ProcessPipeline:
                 except (EOFError, OSError):
                     self._lost(name)
                     self.processes[name].join(5.0)
-                    if name != "cache":
+                    if name != "cache":   # a dead cache manager only means dense calls
                         raise StageDied(f"call {seq}: the {name} stage died (exit code "
                                         f"{self.processes[name].exitcode})") from None
-                    self._send("vision", ("reply", seq, None))   # a query may be waiting: dense now
                     continue
                 kind, about = msg[0], msg[1]
-                if kind == "query":
-                    if not self._send("cache", msg):
-                        self._send("vision", ("reply", about, None))
-                elif kind == "reply":
-                    self._send("vision", msg)
-                elif about != seq:            # a late result of an earlier call that timed out: dropped
+                if kind == "begun" or about != seq:   # late: an episode prepared, or an earlier call's result
                     continue
                 elif kind == "refused":
                     raise ValueError(f"call {seq} refused: {msg[2]}")
                 elif kind == "slot":
-                    _, _, note, choice, times = msg
+                    _, _, note, choice, selection, times = msg
                     if not self._send("policy", ("slot", seq, note)):
                         raise StageDied(f"call {seq}: the policy stage is not running")
+                    if selection is not None:   # the window slides while the policy denoises
+                        self._send("cache", ("follow", selection))
                 elif kind == "chunk":
                     self.last_choice, self.last_times = choice, {**times, "denoise": msg[3]}
                     return msg[2]

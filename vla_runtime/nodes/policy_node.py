@@ -36,7 +36,7 @@ from ..ipc.ring import RingBufferError
 from .adapters import group_commands, single_commands
 from .conversions import InputError, JointStateAssembler, StampCheck, chunk_to_trajectory, instruction_from_msg, stamp_ns
 from .diagnostics import DIAGNOSTICS_TOPIC, diagnostic_array
-from .params import POLICY, declare_parameters, profile_and_checkpoint, request_timeout_warning, ring_names
+from .params import POLICY, declare_parameters, profile_and_checkpoint, ring_names
 from .prefix_ring import EPISODE_TOPIC, READY_TOPIC, REQUEST_TOPIC
 from .spin import CallbackGate, gated, run
 from .stages import PolicyStage, SlotNote, cache_config, load_policy, open_repository_meta
@@ -106,7 +106,6 @@ class PolicyNode(Node):
         self.create_timer(1.0, self._publish_diagnostics)
         self.get_logger().info(f"policy node up: profile {prof.name}, {prof.control_hz} Hz, checkpoint {ckpt}, "
                                f"action cache {'on' if cc is not None else 'off'}")
-        self._check_request_timeout()
 
     @property
     def request_timeout_s(self) -> float:
@@ -114,12 +113,6 @@ class PolicyNode(Node):
 
     def _on_parameter(self, name: str, value: object) -> None:
         self.params[name] = value   # read on every use: takes effect from the next message / tick
-        if name == "request_timeout_s":
-            self._check_request_timeout()
-
-    def _check_request_timeout(self) -> None:
-        if why := request_timeout_warning(self.request_timeout_s, self.profile.cache):
-            self.get_logger().warning(why)
 
     def _refuse(self, what: str) -> None:
         self.last_refusal = what

@@ -9,8 +9,7 @@ from .workers import PrefixSlotSpec
 DEFAULT_RING = "vla_prefix"
 REQUEST_TOPIC = "/vla_runtime/prefix_request"   # policy -> vision: PrefixRequest
 READY_TOPIC = "/vla_runtime/slot_ready"         # vision -> policy: SlotReady
-QUERY_TOPIC = "/vla_runtime/reference_query"    # vision -> cache manager: ReferenceQuery
-REPLY_TOPIC = "/vla_runtime/reference_reply"    # cache manager -> vision: ReferenceReply
+SELECTION_TOPIC = "/vla_runtime/reference_selection"   # vision -> cache manager: ReferenceSelection (after the fact)
 EPISODE_TOPIC = "/vla_runtime/episode_start"    # robot -> policy: std_msgs/Empty, the same task starts again
 
 

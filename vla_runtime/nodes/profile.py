@@ -8,6 +8,7 @@ the key, so a typo fails at start-up instead of on the robot.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -18,6 +19,8 @@ import yaml
 from ..engine.safety import JointLimits
 from ..engine.stitching import StitchConfig
 from ..models.config import PRESETS
+
+log = logging.getLogger(__name__)
 
 OUTPUT_KINDS = ("joint_trajectory", "interbotix_joint_group")
 PREDICTORS = ("absolute", "delta", "observed")
@@ -76,7 +79,7 @@ class CacheSpec:
     episodes: int = 4        # T
     lookahead: int = 4       # L
     memory_budget_mb: int = 4096
-    reference_timeout_s: float = 0.5   # the vision node waits this long for an answer, then runs dense
+    background_nice: int = 10    # the cache manager's process runs this much nicer: rebuilds yield to calls
     context_cache: bool = True   # reuse the reference's VLM FFN outputs in the prefill (rMuscle Context Cache)
     action_cache: bool = True    # compute the reference's neuron masks only between anchor steps (Action Cache)
     min_similarity: float = 0.8  # an episode whose best reference is less similar (cosine of ViT features) runs dense
@@ -172,8 +175,10 @@ class RobotProfile:
             raise bad("cache.repository", "required when the cache is enabled")
         if not 0 < c.rho_p <= 1 or c.episodes < 1 or c.lookahead < 0 or c.memory_budget_mb < 1:
             raise bad("cache", "rho_p in (0, 1], episodes >= 1, lookahead >= 0, memory_budget_mb >= 1")
-        if not (isinstance(c.reference_timeout_s, (int, float)) and 0 < c.reference_timeout_s <= 60):
-            raise bad("cache.reference_timeout_s", f"must be in (0, 60] s, got {c.reference_timeout_s!r}")
+        if isinstance(c.background_nice, bool) or not isinstance(c.background_nice, int) \
+                or not 0 <= c.background_nice <= 19:
+            raise bad("cache.background_nice", f"must be an int in [0, 19] (0: same priority as the calls), "
+                                               f"got {c.background_nice!r}")
         if not (isinstance(c.min_similarity, (int, float)) and 0 < c.min_similarity <= 1):
             raise bad("cache.min_similarity", f"must be in (0, 1], got {c.min_similarity!r}")
         if not isinstance(c.first_scene_floor, bool):
@@ -215,6 +220,21 @@ def _build(cls, data: Any, where: str):
         raise ProfileError(f"{where}: {e}") from None
 
 
+# Keys older profiles may still carry, with why they no longer do anything (warned, then ignored).
+RETIRED_CACHE_KEYS = {
+    "reference_timeout_s": "the vision node no longer waits for the cache manager: it selects the reference "
+                           "itself from the published window",
+}
+
+
+def _without_retired(cache: Any, where: str) -> Any:
+    if not isinstance(cache, dict):
+        return cache
+    for key in RETIRED_CACHE_KEYS.keys() & cache.keys():
+        log.warning("%s.%s is no longer used (%s); remove it", where, key, RETIRED_CACHE_KEYS[key])
+    return {k: v for k, v in cache.items() if k not in RETIRED_CACHE_KEYS}
+
+
 def profile_from_dict(data: dict, where: str = "profile") -> RobotProfile:
     if not isinstance(data, dict):
         raise ProfileError(f"{where}: expected a mapping at the top level")
@@ -230,7 +250,7 @@ def profile_from_dict(data: dict, where: str = "profile") -> RobotProfile:
         stitch = _build(StitchConfig, stream.pop("stitch", None), f"{where}.streaming.stitch")
         streaming = _build(StreamingSpec, {**stream, "stitch": stitch}, f"{where}.streaming")
         engine = _build(EngineSpec, d.pop("engine", None), f"{where}.engine")
-        cache = _build(CacheSpec, d.pop("cache", None), f"{where}.cache")
+        cache = _build(CacheSpec, _without_retired(d.pop("cache", None), f"{where}.cache"), f"{where}.cache")
         for key in ("joint_names", "joint_lower", "joint_upper", "max_velocity", "joint_states_topics"):
             if d.get(key) is not None:
                 d[key] = tuple(d[key])

@@ -6,8 +6,9 @@ and pass the same small notes between them ("slot k holds sequence n", "a query 
 "use entry s"). Bulk tensors only ever move through the rings:
 
 - prefix ring (vision -> policy): every VLM layer's prefix K/V, one slot per call;
-- query ring (vision -> cache manager): the call's retrieval features and state;
-- working set (cache manager -> vision, policy): the prepared reference entries.
+- working set (cache manager -> vision, policy): the prepared reference entries, each with the
+  retrieval features and joint history selection needs (the vision stage selects there itself,
+  and tells the cache manager afterwards what it chose: a ``Selection`` note).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -26,21 +27,22 @@ from ..cache.builder import model_summary
 from ..cache.manager import CacheManager, ManagerConfig
 from ..cache.repository import ReferenceRepository, RepositoryError
 from ..cache.retrieval import RetrievalConfig, fallback_rule, first_call_floors
+from ..cache.selector import Selection
 from ..cache.window import WindowConfig
 from ..engine.cached import CacheConfig
 from ..engine.policy import Observation, Pi05Policy
 from ..engine.timing import PhaseTimer
-from ..ipc.layout import FieldSpec, SlotLayout
+from ..ipc.layout import SlotLayout
 from ..ipc.ring import LayoutMismatchError, RingBuffer, RingBufferError
-from ..models.config import Pi05Config, preset
+from ..models.config import preset
 from .profile import CacheSpec, EngineSpec
 from .prefix_ring import DEFAULT_RING, prefix_layout
+from .selection import Choice, WindowSelector
 from .workers import (CacheWorker, PolicyWorker, PrefixMeta, PrefixSlotSpec, ReferenceChoice, VisionWorker)
-from .working_set import DEFAULT_WORKING_SET, SharedEntryStore, WorkingSetReader, working_set_layout
+from .working_set import DEFAULT_WORKING_SET, SharedEntryStore, WorkingSetReader, current_reader, working_set_layout
 
 log = logging.getLogger(__name__)
 
-DEFAULT_QUERY_RING = "vla_query"
 MAX_STATE = 64
 EPISODE_CALLS = 100_000   # calls an episode may have under one noise seed (``episode_noise_key``)
 
@@ -84,36 +86,16 @@ class SlotNote:
 
 
 @dataclass(frozen=True)
-class QueryNote:
-    """vision -> cache manager: the retrieval query of ``request_seq`` is in the query ring."""
-
-    request_seq: int
-    task: str
-    slot: int
-    seq: int
-    episode: int = 0
-
-
-@dataclass(frozen=True)
 class RingNames:
     """Shared-memory names; one set per pipeline (two robots on one machine need two sets)."""
 
     prefix: str = DEFAULT_RING
-    query: str = DEFAULT_QUERY_RING
     working_set: str = DEFAULT_WORKING_SET
 
     @classmethod
     def tagged(cls, tag: str) -> "RingNames":
-        """A private set for one run of a tool (``<tag>_prefix``, ``<tag>_query``, ``<tag>_refs``)."""
-        return cls(f"{tag}_prefix", f"{tag}_query", f"{tag}_refs")
-
-
-def query_layout(cfg: Pi05Config) -> SlotLayout:
-    """The retrieval query of one call: intermediate ViT features (fp32, as retrieval ranks them)
-    and the state the call is conditioned on."""
-    rows = cfg.num_cameras * cfg.num_image_tokens
-    return SlotLayout((FieldSpec("features", (rows, cfg.vision.width), torch.float32),
-                       FieldSpec("state", (MAX_STATE,), torch.float32)))
+        """A private set for one run of a tool (``<tag>_prefix``, ``<tag>_refs``)."""
+        return cls(f"{tag}_prefix", f"{tag}_refs")
 
 
 def open_repository_meta(spec: CacheSpec, policy: Pi05Policy) -> ReferenceRepository | None:
@@ -190,25 +172,6 @@ def checkpoint_mismatch(policy: Pi05Policy, preset_name: str | None, state_dim: 
     return "; ".join(out)
 
 
-def _attach_working_set(name: str) -> WorkingSetReader | None:
-    try:
-        ring = RingBuffer.attach(name, RingBuffer.peek_layout(name))
-    except (RingBufferError, OSError) as e:   # asked again every call: the diagnostics carry the reason
-        log.debug("working set %r not readable (%s): dense until the cache manager is up", name, e)
-        return None
-    return WorkingSetReader(ring)
-
-
-def _current_working_set(reader: WorkingSetReader | None, name: str) -> WorkingSetReader | None:
-    """The working set to read now: ``reader`` unless its ring was superseded (the cache manager
-    restarted: a new segment, sequences from 0 again, maybe another layout), then a fresh
-    attachment (None while there is no working set)."""
-    if reader is not None and reader.ring.superseded():
-        reader.ring.close()
-        reader = None
-    return reader if reader is not None else _attach_working_set(name)
-
-
 def _current_ring(ring: RingBuffer | None, name: str, layout: SlotLayout) -> RingBuffer:
     """``ring`` if it is still the live ring called ``name``, else a fresh attachment (a restarted
     writer's new segment); raises RingBufferError/OSError when there is none to attach to."""
@@ -222,91 +185,76 @@ def _current_ring(ring: RingBuffer | None, name: str, layout: SlotLayout) -> Rin
 # ---------------------------------------------------------------- vision
 
 class VisionStage:
-    """Images + a prefix request -> a prefix slot (with the Context Cache when a reference comes)."""
+    """Images + a prefix request -> a prefix slot, with the Context Cache when the window the
+    cache manager publishes holds a similar reference (selected here, never asked for)."""
 
     def __init__(self, policy: Pi05Policy, rings: RingNames = RingNames(), slots: int = 4,
-                 cache: CacheConfig | None = None):
-        self.worker = VisionWorker(policy, cache)
+                 cache: CacheSpec | None = None, arm_slices: tuple[tuple[int, int], ...] = ()):
+        repo = open_repository_meta(cache, policy) if cache is not None else None
+        cc = cache_config(cache, repo)
+        self.worker = VisionWorker(policy, cc)
         self.rings = rings
+        self.selector: WindowSelector | None = None
+        if cc is not None and repo is not None:
+            try:
+                self.selector = WindowSelector(repo, manager_config(cache, repo, arm_slices).retrieval,
+                                               rings.working_set)
+            except ValueError as e:
+                log.warning("muscle-memory cache disabled, running dense: %s", e)
         self.prefix = RingBuffer.create(rings.prefix, prefix_layout(self.worker.spec), slots, replace_stale=True)
-        self.query: RingBuffer | None = None
-        if cache is not None:
-            self.query = RingBuffer.create(rings.query, query_layout(policy.engine.cfg), 2, replace_stale=True)
-        self.working_set: WorkingSetReader | None = None
-        self._had_working_set = False
         self.last_choice: ReferenceChoice | None = None
+        self.last_selection: Selection | None = None
         self.last_timer: PhaseTimer | None = None
 
-    def encode(self, req: PrefixRequestNote, images: dict[str, np.ndarray],
-               ask: Callable[[QueryNote], ReferenceChoice | None] | None = None) -> SlotNote:
-        """One call's prefix. ``ask`` sends the query to the cache manager and returns its answer
-        (None: no answer in time); without a cache, or without an answer, the prefill is dense."""
+    def encode(self, req: PrefixRequestNote, images: dict[str, np.ndarray]) -> SlotNote:
+        """One call's prefix; with the cache on, ``last_selection`` then says what was chosen (the
+        note for the cache manager, which slides its window after the call)."""
         timer = PhaseTimer(self.worker.engine.device)
         obs = Observation(images=images, state=list(req.state), task=req.task)
         vp = self.worker.embed(obs, timer)
-        reference, at = None, (-1, -1)
-        self.last_choice = None
-        if self.query is not None and ask is not None:
-            with timer.phase("retrieve"):
-                down = self.cache_manager_down()
-                choice = ReferenceChoice(req.request_seq, reason=down) if down else \
-                    ask(self._write_query(req, vp.features))
-                self.last_choice = choice
-                if choice is not None and choice.found and choice.request_seq == req.request_seq:
-                    self.working_set = _current_working_set(self.working_set, self.rings.working_set)
-                    if self.working_set is not None:
-                        reference = self.working_set.read_entry(choice.slot, choice.seq)
-                        at = (choice.slot, choice.seq) if reference is not None else at
+        choice: Choice | None = None
+        self.last_choice = self.last_selection = None
+        if self.selector is not None:
+            with timer.phase("select"):
+                choice = self.selector.choose(req.request_seq, req.task, req.episode, vp.features, req.state)
+        reference = choice.entry if choice is not None else None
+        at = (choice.slot, choice.seq) if reference is not None else (-1, -1)
         with self.prefix.begin_write() as writer:
-            meta = self.worker.prefill(vp, req.state, {k: writer[k] for k in ("k", "v", "retrieval", "state")},
-                                       observation_seq=req.request_seq, stamp_ns=time.monotonic_ns(),
-                                       reference=reference, ref_at=at, timer=timer)
+            out = {k: writer[k] for k in ("k", "v", "retrieval", "state")}
+            kw = dict(observation_seq=req.request_seq, stamp_ns=time.monotonic_ns(), timer=timer)
+            meta = self.worker.prefill(vp, req.state, out, reference=reference, ref_at=at, **kw)
+            if choice is not None and choice.pin is not None and not choice.pin.valid():
+                # the cache manager rewrote the entry while the prefill read it: that result is
+                # void, the call runs dense (the choice's reason says so)
+                self.selector.torn += 1
+                choice = Choice(Selection(req.request_seq, req.task, req.episode, None,
+                                          choice.selection.candidates, "reference rewritten during the prefill"))
+                meta = self.worker.prefill(vp, req.state, out, **kw)
             slot, seq = writer.commit({**meta.as_dict(), "request_seq": int(req.request_seq),
                                        "start_tick": int(req.start_tick), "noise_key": int(req.noise)})
+        if choice is not None:
+            m = choice.selection.match if choice.found else None
+            self.last_selection = choice.selection
+            self.last_choice = ReferenceChoice(req.request_seq, choice.slot, choice.seq,
+                                               m.episode_id if m else "", m.index if m else -1,
+                                               m.similarity if m else float("nan"), choice.reason)
         self.last_timer = timer
         return SlotNote(self.prefix.name, slot, seq, self.prefix.layout.tag)
 
-    def cache_manager_down(self) -> str:
-        """Why no cache manager can answer now ('' when one may): its working set was there and
-        is gone or its writer died. The call then runs dense at once instead of waiting for an
-        answer that cannot come; once a cache manager (re)creates the working set it is asked
-        again. Before any working set was seen (start-up, or a cache manager that refused its
-        repository and answers with the reason) it is always asked."""
-        self.working_set = _current_working_set(self.working_set, self.rings.working_set)
-        if self.working_set is not None:
-            self._had_working_set = True
-            if self.working_set.ring.superseded():
-                return "cache manager not running (its process is gone)"
-            return ""
-        return "cache manager not running (working set gone)" if self._had_working_set else ""
-
-    def _write_query(self, req: PrefixRequestNote, features: Tensor) -> QueryNote:
-        assert self.query is not None
-        rows = features.flatten(0, 1)
-        state = np.asarray(req.state, dtype=np.float32).reshape(-1)
-        if state.size > MAX_STATE:
-            raise ValueError(f"state has {state.size} values, at most {MAX_STATE} are supported")
-        with self.query.begin_write() as wr:
-            wr["features"][: rows.shape[0]].copy_(rows)
-            wr["state"][: state.size].copy_(torch.from_numpy(state))
-            slot, seq = wr.commit({"rows": int(rows.shape[0]), "state_dim": int(state.size)})
-        return QueryNote(req.request_seq, req.task, slot, seq, req.episode)
-
     def heartbeat(self) -> None:
         self.prefix.heartbeat()
-        if self.query is not None:
-            self.query.heartbeat()
 
     def close(self) -> None:
-        for ring in (self.prefix, self.query, None if self.working_set is None else self.working_set.ring):
-            if ring is not None:
-                ring.close()
+        self.prefix.close()
+        if self.selector is not None:
+            self.selector.close()
 
 
 # ---------------------------------------------------------------- cache manager
 
 class CacheStage:
-    """Queries -> references, and the working set's upkeep between calls."""
+    """The repository and the window: prepares the entries the vision stage selects among, and
+    slides the window after each call from what was selected (never on a call's path)."""
 
     def __init__(self, policy: Pi05Policy, spec: CacheSpec, rings: RingNames = RingNames(),
                  arm_slices: tuple[tuple[int, int], ...] = ()):
@@ -315,8 +263,6 @@ class CacheStage:
         self.fallback_rule = ""   # when an episode runs dense, said at start-up
         self.worker: CacheWorker | None = None
         self.working_set: RingBuffer | None = None
-        self.query: RingBuffer | None = None
-        self.query_buf: dict[str, Tensor] | None = None
         self.cfg = policy.engine.cfg
         repo = open_repository_meta(spec, policy)
         if repo is None:
@@ -331,9 +277,17 @@ class CacheStage:
             return
         cc = cache_config(spec, repo)
         mcfg = manager_config(spec, repo, arm_slices)
+        layout = repo.call_layout or {}
         slots = mcfg.window.capacity + max((len(repo.episodes(t)) for t in repo.tasks()), default=0)
-        layout = working_set_layout(self.cfg, len(cc.groups), cc.mask_size(self.cfg.expert.mlp_dim), policy.engine.dtype)
-        self.working_set = RingBuffer.create(rings.working_set, layout, max(slots, 1), replace_stale=True)
+        try:
+            ws_layout = working_set_layout(self.cfg, len(cc.groups), cc.mask_size(self.cfg.expert.mlp_dim),
+                                           policy.engine.dtype, tuple(layout["retrieval"]),
+                                           tuple(layout["state_history"]))
+        except KeyError:
+            self.disabled_reason = f"repository {repo.root} holds no episodes yet"
+            log.warning("muscle-memory cache disabled, running dense: %s", self.disabled_reason)
+            return
+        self.working_set = RingBuffer.create(rings.working_set, ws_layout, max(slots, 1), replace_stale=True)
         try:
             manager = CacheManager(policy.engine.model, repo, mcfg, entries=SharedEntryStore(self.working_set))
         except ValueError as e:
@@ -352,39 +306,24 @@ class CacheStage:
         return self.worker is not None
 
     def disable(self, reason: str) -> None:
-        """Answer dense from now on (the repository or the working set became unusable)."""
+        """Prepare nothing from now on (the repository or the working set became unusable)."""
         self.worker, self.disabled_reason = None, reason
-
-    def answer(self, q: QueryNote) -> ReferenceChoice:
-        """The reference for one query (dense, with the reason, whenever something is off)."""
-        if self.worker is None:
-            return ReferenceChoice(q.request_seq, reason=self.disabled_reason)
-        try:   # re-attached when the vision side restarted (new segment, sequences from 0 again)
-            self.query = _current_ring(self.query, self.rings.query, query_layout(self.cfg))
-        except (RingBufferError, OSError) as e:
-            self.query = None
-            return ReferenceChoice(q.request_seq, reason=f"query ring: {e}")
-        if self.query_buf is None:
-            self.query_buf = {f.name: torch.zeros(f.shape, dtype=f.dtype) for f in self.query.layout.fields}
-        info = self.query.read(q.slot, q.seq, self.query_buf)
-        if info is None or not isinstance(info.meta, dict):
-            return ReferenceChoice(q.request_seq, reason="query overwritten before it was read")
-        rows, dim = int(info.meta["rows"]), int(info.meta["state_dim"])
-        try:
-            return self.worker.query(q.request_seq, q.task, self.query_buf["features"][:rows],
-                                     self.query_buf["state"][:dim].numpy(), q.episode)
-        except (ValueError, RuntimeError) as e:   # a query the repository cannot serve: this call runs dense
-            return ReferenceChoice(q.request_seq, reason=f"query refused: {e}")
 
     def begin(self, task: str, episode: int) -> None:
         """Prepare an episode before its first call (nothing when the cache is off). A task the
-        repository cannot serve is not an error here: its first query answers dense, with why."""
+        repository cannot serve is not an error here: its calls run dense, saying why."""
         if self.worker is None:
             return
         try:
             self.worker.begin(task, episode)
         except (ValueError, RuntimeError) as e:
             log.warning("episode %d of %r not prepared ahead: %s", episode, task, e)
+
+    def follow(self, selection: Selection) -> None:
+        """What a call selected (its episode starts here if it was not announced ahead)."""
+        if self.worker is not None:
+            self.begin(selection.task, selection.episode)
+            self.worker.follow(selection)
 
     def upkeep(self, time_available_s: float | None = None) -> None:
         """Slide the working set after a call (overlaps the robot executing the chunk)."""
@@ -396,9 +335,8 @@ class CacheStage:
             self.working_set.heartbeat()
 
     def close(self) -> None:
-        for ring in (self.working_set, self.query):
-            if ring is not None:
-                ring.close()
+        if self.working_set is not None:
+            self.working_set.close()
 
 
 # ---------------------------------------------------------------- policy
@@ -464,7 +402,7 @@ class PolicyStage:
     def _masks(self, meta: PrefixMeta) -> Tensor | None:
         if meta.ref_slot < 0 or self.worker.buffers is None:
             return None
-        self.working_set = _current_working_set(self.working_set, self.rings.working_set)
+        self.working_set = current_reader(self.working_set, self.rings.working_set)
         masks = None if self.working_set is None else self.working_set.read_masks(meta.ref_slot, meta.ref_seq)
         if masks is None:   # the entry left the window since the vision stage used it: dense denoising
             self.masks_missed += 1

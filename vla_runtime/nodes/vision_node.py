@@ -3,9 +3,9 @@
 Thin rclpy wiring around ``VisionStage``: it keeps the newest image of every camera (converted
 and validated at the boundary), and for each ``PrefixRequest`` from the policy node writes the
 prefix K/V of every VLM layer into the next ring slot and announces it with ``SlotReady``. With
-the cache enabled it asks the cache manager for a reference between the vision tower and the
-prefill, and waits for the answer at most the profile's ``cache.reference_timeout_s`` (then
-that call runs dense).
+the cache enabled it selects the reference itself, between the vision tower and the prefill,
+from the window the cache manager publishes in shared memory (``selection.py``), and tells the
+cache manager afterwards what it chose (``ReferenceSelection``); it never waits for it.
 
 Camera messages are checked at the boundary (``conversions``): encoding, size, stamps from the
 future or too old; a camera that stops sending new frames or freezes (the same stamp again and
@@ -15,7 +15,6 @@ until it sends new frames. Diagnostics go out after every call, every refusal an
 
 from __future__ import annotations
 
-import threading
 import time
 
 from diagnostic_msgs.msg import DiagnosticArray
@@ -24,18 +23,17 @@ from rclpy.node import Node
 from rclpy.qos import qos_profile_sensor_data
 from sensor_msgs.msg import CompressedImage, Image
 
-from vla_runtime.msg import PrefixRequest, ReferenceQuery, ReferenceReply, SlotReady
+from vla_runtime.msg import PrefixRequest, ReferenceSelection, SlotReady
 
 from .conversions import CameraFeed, InputError, StampCheck, image_from_msg, stamp_ns, usable_images
 from .diagnostics import DIAGNOSTICS_TOPIC, diagnostic_array
 from .params import VISION, declare_parameters, profile_and_checkpoint, ring_names
-from .prefix_ring import QUERY_TOPIC, READY_TOPIC, REPLY_TOPIC, REQUEST_TOPIC
+from .prefix_ring import READY_TOPIC, REQUEST_TOPIC, SELECTION_TOPIC
 from .spin import CallbackGate, gated, run
-from .stages import PrefixRequestNote, QueryNote, VisionStage, cache_config, load_policy, open_repository_meta
-from .workers import ReferenceChoice
+from .stages import PrefixRequestNote, Selection, VisionStage, load_policy
 
 PARAMETERS = VISION
-SHUTDOWN_WAIT_S = 5.0   # for the call in flight at shutdown (it no longer waits for a reference)
+SHUTDOWN_WAIT_S = 5.0   # for the call in flight at shutdown
 
 
 class VisionNode(Node):
@@ -44,10 +42,9 @@ class VisionNode(Node):
         v = declare_parameters(self, PARAMETERS, self._on_parameter)
         self.params = v
         self.profile, ckpt = profile_and_checkpoint(v)
-        self.reference_timeout_s = self.profile.cache.reference_timeout_s
         policy = load_policy(ckpt, self.profile.engine, [c.name for c in self.profile.cameras], self.profile.state_dim)
-        cc = cache_config(self.profile.cache, open_repository_meta(self.profile.cache, policy))
-        self.stage = VisionStage(policy, ring_names(v), int(v["ring_slots"]), cc)
+        cache = self.profile.cache if self.profile.cache.enabled else None
+        self.stage = VisionStage(policy, ring_names(v), int(v["ring_slots"]), cache, self.profile.arm_slices)
         self.feeds = {c.name: CameraFeed(c.name) for c in self.profile.cameras}
         self.refused_images = 0
         self.refused_requests = 0
@@ -55,9 +52,6 @@ class VisionNode(Node):
         self.stale: list[str] = []
         self.missing: list[str] = []
         self.calls = 0
-        self._reply: ReferenceChoice | None = None
-        self._reply_ready = threading.Event()
-        self._waiting_for = -1
         self.gate = CallbackGate()   # destroy_node waits for the call in flight before closing the rings
         images = MutuallyExclusiveCallbackGroup()   # frames keep arriving while a call is encoded
         for cam in self.profile.cameras:
@@ -67,14 +61,12 @@ class VisionNode(Node):
         self.create_subscription(PrefixRequest, REQUEST_TOPIC, self._on_request, 10)
         self.ready_pub = self.create_publisher(SlotReady, READY_TOPIC, 10)
         self.diag_pub = self.create_publisher(DiagnosticArray, DIAGNOSTICS_TOPIC, 10)
-        if cc is not None:   # answers arrive while _on_request waits: their own callback group
-            self.query_pub = self.create_publisher(ReferenceQuery, QUERY_TOPIC, 10)
-            self.create_subscription(ReferenceReply, REPLY_TOPIC, self._on_reply, 10,
-                                     callback_group=MutuallyExclusiveCallbackGroup())
+        self.selection_pub = self.create_publisher(ReferenceSelection, SELECTION_TOPIC, 10) \
+            if self.stage.selector is not None else None
         self.create_timer(0.1, self._heartbeat)
         self.create_timer(1.0, self._publish_diagnostics)
         self.get_logger().info(f"vision node up: profile {self.profile.name}, checkpoint {ckpt}, ring "
-                               f"{self.stage.prefix.name}, cache {'on' if cc is not None else 'off'}")
+                               f"{self.stage.prefix.name}, cache {'on' if self.stage.selector is not None else 'off'}")
 
     def _on_parameter(self, name: str, value: object) -> None:
         self.params[name] = value   # read on every use: takes effect from the next message / call
@@ -100,37 +92,14 @@ class VisionNode(Node):
             self.refused_images += 1
             self._refuse(f"image refused: {e}")
 
-    def _ask(self, q: QueryNote) -> ReferenceChoice | None:
-        """Publish the query and wait (bounded) for the cache manager's answer to it; with no cache
-        manager subscribed (not started yet, or gone) the call goes dense at once instead of waiting."""
-        if self.query_pub.get_subscription_count() == 0:
-            return ReferenceChoice(q.request_seq, reason="no cache manager subscribed")
-        self._reply_ready.clear()
-        if self.gate.closing:   # after the clear: a wake-up set before it would be lost
-            return ReferenceChoice(q.request_seq, reason="vision node shutting down")
-        self._waiting_for = q.request_seq
-        msg = ReferenceQuery(request_seq=q.request_seq, task=q.task, ring=self.stage.query.name, slot=q.slot,
-                             sequence=q.seq)
-        if hasattr(msg, "episode"):
-            msg.episode = q.episode
+    def _publish_selection(self, sel: Selection) -> None:
+        m = sel.match
+        msg = ReferenceSelection(request_seq=sel.request_seq, task=sel.task, episode=sel.episode, found=m is not None,
+                                 episode_id=m.episode_id if m else "", index=m.index if m else -1,
+                                 similarity=float(m.similarity) if m else float("nan"), candidates=list(sel.candidates),
+                                 reason=sel.reason, restart=sel.restart, dense_for_episode=sel.dense_for_episode)
         msg.header.stamp = self.get_clock().now().to_msg()
-        self.query_pub.publish(msg)
-        answered = self._reply_ready.wait(self.reference_timeout_s)
-        if self.gate.closing:   # woken by destroy_node: finish this call dense, without waiting
-            return ReferenceChoice(q.request_seq, reason="vision node shutting down")
-        if not answered:
-            self.get_logger().warning(f"no reference for call {q.request_seq} within {self.reference_timeout_s} s: "
-                                      "dense", throttle_duration_sec=2.0)
-            return None
-        return self._reply
-
-    def _on_reply(self, msg: ReferenceReply) -> None:
-        if msg.request_seq != self._waiting_for:   # a late answer to a call that already went dense
-            return
-        self._reply = ReferenceChoice(int(msg.request_seq), int(msg.slot) if msg.found else -1,
-                                      int(msg.sequence) if msg.found else -1, msg.episode_id, int(msg.index),
-                                      float(msg.similarity), msg.reason)
-        self._reply_ready.set()
+        self.selection_pub.publish(msg)
 
     @gated
     def _heartbeat(self) -> None:
@@ -149,9 +118,8 @@ class VisionNode(Node):
             return
         note = PrefixRequestNote(int(req.request_seq), int(req.start_tick), tuple(req.state), req.task,
                                  int(getattr(req, "episode", 0)))
-        ask = self._ask if self.stage.query is not None else None
         try:
-            slot = self.stage.encode(note, images, ask)
+            slot = self.stage.encode(note, images)
         except (ValueError, InputError) as e:
             self.refused_requests += 1
             self._refuse(f"prefix request {req.request_seq} refused: {e}")
@@ -163,6 +131,8 @@ class VisionNode(Node):
         out.header.stamp = self.get_clock().now().to_msg()
         out.ring, out.slot, out.sequence, out.layout_tag = slot.ring, slot.slot, slot.seq, slot.layout_tag
         self.ready_pub.publish(out)
+        if self.selection_pub is not None and self.stage.last_selection is not None:
+            self._publish_selection(self.stage.last_selection)
         self.calls += 1
         self._publish_diagnostics()
 
@@ -176,12 +146,14 @@ class VisionNode(Node):
                    "reference": "" if choice is None or not choice.found else f"{choice.episode}:{choice.index}",
                    "context_cache": str(self.stage.worker.last_context is not None),
                    "dense_reason": "" if choice is None else choice.reason}
+        if self.stage.selector is not None:
+            values |= self.stage.selector.diagnostics()
         warn = ("camera(s) stale, calls refused: " + "; ".join(self.stale) if self.stale else
                 "camera(s) missing: " + ", ".join(self.missing) if self.missing else "")
         self.diag_pub.publish(diagnostic_array(self, "vla_runtime: vision", self.profile.name, values, warn))
 
     def destroy_node(self) -> None:
-        if self.gate.close(SHUTDOWN_WAIT_S, wake=self._reply_ready.set):
+        if self.gate.close(SHUTDOWN_WAIT_S):
             self.stage.close()
         else:   # unmapping under a running call would fault; the next start replaces the segments
             self.get_logger().error(f"a call was still running {SHUTDOWN_WAIT_S} s after shutdown began: "

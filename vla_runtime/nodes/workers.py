@@ -4,8 +4,8 @@ The vision worker turns an observation (images, the state to condition on, instr
 prefix keys/values of every VLM layer and writes them into a slot (ring-buffer memory in the
 three-process deployment); the policy worker copies a slot into its own KV cache and denoises.
 Splitting here is exact: the denoising loop only ever reads the prefix K/V. Between the vision
-tower and the prefill the vision side asks the cache worker for a reference (rMuscle): its
-prepared entry, in the shared working set, turns the prefill's FFNs into the Context Cache and
+tower and the prefill the vision side selects a reference (rMuscle) among the entries the cache
+worker prepared in the shared working set: it turns the prefill's FFNs into the Context Cache and
 the denoising loop's into the Action Cache.
 
 All three are plain Python: the rclpy nodes, the ROS-free runner (one process or three) and the
@@ -26,13 +26,13 @@ from ..cache.action_cache import ActionCache, ActionCacheBuffers
 from ..cache.context_cache import ContextCache
 from ..cache.entry import PreparedEntry
 from ..cache.manager import CacheManager, PrepareReport
+from ..cache.selector import Selection
 from ..engine.cached import CacheConfig, same_camera_layout
 from ..engine.dense import DenseEngine, ModelInputs
 from ..engine.policy import Observation, Pi05Policy
 from ..engine.timing import PhaseTimer
 from ..models.config import Pi05Config
 from ..models.pi05 import Prefix
-from .working_set import SharedEntry
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,8 @@ class PrefixMeta:
 
 @dataclass(frozen=True)
 class ReferenceChoice:
-    """The cache worker's answer to one query: a working-set entry, or dense and why."""
+    """One call's reference as reported (``run``'s JSON, ``eval``, diagnostics): a working-set
+    entry, or dense and why."""
 
     request_seq: int
     slot: int = -1
@@ -228,10 +229,11 @@ class PolicyWorker:
 
 
 class CacheWorker:
-    """The cache manager's side of a call: query -> reference, then upkeep of the working set.
+    """The cache manager's side: episodes, and the working set's upkeep after each call.
 
-    A new episode (task pack, fresh window, retrieval state reset) starts when the instruction
-    changes or the caller's episode number does (the same task repeated at a station).
+    A new episode (task pack, fresh window) starts when the instruction changes or the caller's
+    episode number does (the same task repeated at a station). Which reference a call uses is
+    decided in the vision process; this worker only hears it afterwards (``follow``).
     """
 
     def __init__(self, manager: CacheManager):
@@ -239,6 +241,7 @@ class CacheWorker:
         self.last_prepare: PrepareReport | None = None
         self.episodes_started = 0
         self.episode: int | None = None
+        self.last_selection: Selection | None = None
 
     def begin(self, task: str, episode: int = 0) -> bool:
         """Start (task, episode) unless it is the current one: the task pack and the initial
@@ -251,19 +254,10 @@ class CacheWorker:
         self.episode = episode
         return True
 
-    def query(self, request_seq: int, task: str, features: Tensor, state: np.ndarray | Tensor,
-              episode: int = 0) -> ReferenceChoice:
-        m = self.manager
-        self.begin(task, episode)
-        m.observe_state(torch.as_tensor(np.asarray(state, dtype=np.float32)))
-        ref = m.select(features)
-        match = m.last_match
-        if ref is None or match is None:
-            reason = m.retriever.reason or ("matched entry not prepared yet" if match is not None else "no match")
-            return ReferenceChoice(request_seq, reason=reason)
-        if not isinstance(ref, SharedEntry):
-            raise TypeError("the cache worker needs a manager whose entries live in the shared working set")
-        return ReferenceChoice(request_seq, ref.slot, ref.seq, match.episode_id, match.index, match.similarity)
+    def follow(self, selection: Selection) -> None:
+        """What the vision side selected for a call: the window slides after it."""
+        self.manager.follow(selection)
+        self.last_selection = selection
 
     def prepare(self, time_available_s: float | None = None) -> PrepareReport:
         """Slide the window after a call (meant to overlap the robot executing the chunk)."""
@@ -271,10 +265,8 @@ class CacheWorker:
         return self.last_prepare
 
     def diagnostics(self) -> dict[str, str]:
-        st = self.manager.retriever.stats
-        rate = st.hits / st.queries if st.queries else 0.0
-        return {"queries": str(st.queries), "hits": str(st.hits), "hit_rate": f"{rate:.3f}",
-                "fallbacks": str(st.fallbacks), "stalls": str(st.stalls), "past_end": str(st.past_end),
-                "last_similarity": f"{st.last_similarity:.4f}", "prepared_entries": str(len(self.manager.entries)),
-                "reason": self.manager.retriever.reason or "", "task": self.manager.task or "",
-                "episodes_started": str(self.episodes_started)}
+        m, sel = self.manager, self.last_selection
+        return {"prepared_entries": str(len(m.entries)), "task": m.task or "", "stalls": str(m.stalls),
+                "episodes_started": str(self.episodes_started),
+                "last_reference": "" if sel is None or sel.match is None else f"{sel.match.episode_id}:{sel.match.index}",
+                "last_dense_reason": "" if sel is None else sel.reason}

@@ -1,37 +1,52 @@
-"""The reference working set in shared memory: the cache manager writes prepared entries, the
-vision node reads their FFN states (Context Cache) and the policy node their masks (Action Cache).
+"""The reference working set in shared memory: the cache manager publishes prepared entries, the
+vision process selects among them and reads their FFN states in place (Context Cache), the policy
+process reads their masks (Action Cache).
 
 The cache manager process keeps the sliding window of rMuscle (T episodes x (L + 1) positions);
 each prepared entry it reconstructs goes into a slot of a ring buffer of its own, chosen among the
-slots no live entry holds, so a slot is only rewritten once its entry has left the window. A
-reference is announced as "slot s holds sequence n": a reader that finds another sequence there
-(the entry was replaced since) gets None and that call runs dense, which is always correct.
+slots no live entry holds, together with what selection needs (the stored call's retrieval
+features and joint history). A slot whose entry leaves the window is cleared at once. A reader
+names an entry as "slot s holds sequence n": finding another sequence there (the entry was
+replaced since) means that call runs dense, which is always correct.
+
+Why the window is published rather than asked for: reference selection runs in the process that
+needs the answer (``WindowMirror`` is its view of the window), so no call ever waits for the cache
+manager, which may be busy rebuilding entries or gone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Iterable, Iterator, MutableMapping
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from ..cache.entry import EntryKey, PreparedEntry
+from ..cache.retrieval import CandidateMatrix
 from ..ipc.layout import FieldSpec, SlotLayout
-from ..ipc.ring import RingBuffer
+from ..ipc.ring import PinnedSlot, RingBuffer, RingBufferError
 from ..models.config import Pi05Config
 
 DEFAULT_WORKING_SET = "vla_refs"
 
 
-def working_set_layout(cfg: Pi05Config, mask_groups: int, mask_size: int, dtype: torch.dtype) -> SlotLayout:
+def working_set_layout(cfg: Pi05Config, mask_groups: int, mask_size: int, dtype: torch.dtype,
+                       retrieval_shape: tuple[int, int] | None = None,
+                       history_shape: tuple[int, int] | None = None) -> SlotLayout:
     """One slot holds one prepared entry at the model's largest camera layout (fewer cameras use
-    the first rows; the slot's metadata says how many visual tokens are valid)."""
+    the first rows; the slot's metadata says how many cameras and visual tokens are valid), and,
+    when selection reads the window, the stored call's retrieval features and joint history (the
+    repository's shapes)."""
     pv = cfg.num_cameras * cfg.num_image_tokens
     ffn = (cfg.vlm.depth - 1, pv, cfg.vlm.width)
-    return SlotLayout((FieldSpec("ffn_in", ffn, dtype), FieldSpec("ffn_out", ffn, dtype),
-                       FieldSpec("image_mask", (cfg.num_cameras,), torch.bool),
-                       FieldSpec("masks", (mask_groups, cfg.expert.depth, mask_size), torch.int64)))
+    fields = [FieldSpec("ffn_in", ffn, dtype), FieldSpec("ffn_out", ffn, dtype),
+              FieldSpec("image_mask", (cfg.num_cameras,), torch.bool),
+              FieldSpec("masks", (mask_groups, cfg.expert.depth, mask_size), torch.int64)]
+    if retrieval_shape is not None and history_shape is not None:
+        fields += [FieldSpec("retrieval", tuple(retrieval_shape), torch.float32),
+                   FieldSpec("history", tuple(history_shape), torch.float32)]
+    return SlotLayout(tuple(fields))
 
 
 @dataclass(frozen=True)
@@ -50,8 +65,8 @@ class SharedEntry:
 class SharedEntryStore(MutableMapping[EntryKey, SharedEntry]):
     """The cache manager's ``entries``: storing a ``PreparedEntry`` copies it into a free slot.
 
-    Slots are only reused after their entry was dropped, so an entry stays readable for as long
-    as it is in the window; no allocation happens after the ring is created.
+    Slots are only reused after their entry was dropped (and the slot cleared), so an entry stays
+    readable for as long as it is in the window; no allocation happens after the ring is created.
     """
 
     def __init__(self, ring: RingBuffer):
@@ -59,6 +74,7 @@ class SharedEntryStore(MutableMapping[EntryKey, SharedEntry]):
         self._where: dict[EntryKey, SharedEntry] = {}
         self._free = list(range(ring.slots - 1, -1, -1))
         self.mask_shape = tuple(ring.layout.field("masks").shape)
+        self.publishes_retrieval = "retrieval" in {f.name for f in ring.layout.fields}
 
     def __setitem__(self, key: EntryKey, entry: PreparedEntry) -> None:
         if key in self._where:
@@ -66,22 +82,30 @@ class SharedEntryStore(MutableMapping[EntryKey, SharedEntry]):
         if not self._free:
             raise RuntimeError(f"working set {self.ring.name!r} is full ({self.ring.slots} entries): "
                                "window capacity and ring slots disagree")
-        pv = entry.visual_tokens
+        pv, cams = entry.visual_tokens, entry.image_mask.numel()
         has_masks = entry.masks is not None
         if has_masks and tuple(entry.masks.shape) != self.mask_shape:
             raise ValueError(f"entry {key} has masks {tuple(entry.masks.shape)}, the working set holds "
                              f"{self.mask_shape}")
+        selectable = self.publishes_retrieval and entry.retrieval is not None and entry.state_history is not None
         slot = self._free.pop()
         with self.ring.begin_write(slot) as wr:
-            wr["ffn_in"][:, :pv].copy_(entry.ffn_in)
-            wr["ffn_out"][:, :pv].copy_(entry.ffn_out)
-            wr["image_mask"].copy_(entry.image_mask)
-            if has_masks:
-                wr["masks"].copy_(entry.masks)
             try:
-                _, seq = wr.commit({"episode": key[0], "index": int(key[1]), "visual_tokens": pv,
-                                    "has_masks": int(has_masks)})
-            except (ValueError, TypeError):
+                if cams > wr["image_mask"].numel():
+                    raise ValueError(f"entry {key} has {cams} camera slots, the working set holds "
+                                     f"{wr['image_mask'].numel()}")
+                wr["ffn_in"][:, :pv].copy_(entry.ffn_in)
+                wr["ffn_out"][:, :pv].copy_(entry.ffn_out)
+                wr["image_mask"].zero_()
+                wr["image_mask"][:cams].copy_(entry.image_mask)
+                if has_masks:
+                    wr["masks"].copy_(entry.masks)
+                if selectable:
+                    wr["retrieval"].copy_(entry.retrieval.reshape(wr["retrieval"].shape))
+                    wr["history"].copy_(entry.state_history)
+                _, seq = wr.commit({"episode": key[0], "index": int(key[1]), "visual_tokens": pv, "cameras": cams,
+                                    "has_masks": int(has_masks), "selectable": int(selectable)})
+            except (ValueError, TypeError, RuntimeError):
                 self._free.append(slot)
                 raise
         self._where[key] = SharedEntry(key, slot, seq, entry.nbytes())
@@ -90,7 +114,9 @@ class SharedEntryStore(MutableMapping[EntryKey, SharedEntry]):
         return self._where[key]
 
     def __delitem__(self, key: EntryKey) -> None:
-        self._free.append(self._where.pop(key).slot)
+        slot = self._where.pop(key).slot
+        self.ring.clear_slot(slot)   # readers and the selectors' mirrors drop it from now on
+        self._free.append(slot)
 
     def __iter__(self) -> Iterator[EntryKey]:
         return iter(self._where)
@@ -99,33 +125,127 @@ class SharedEntryStore(MutableMapping[EntryKey, SharedEntry]):
         return len(self._where)
 
 
+def pinned_entry(pin: PinnedSlot) -> PreparedEntry:
+    """A working-set slot as a ``PreparedEntry`` of zero-copy views (valid while ``pin.valid()``)."""
+    meta, v = pin.meta, pin.views
+    pv, cams = int(meta["visual_tokens"]), int(meta.get("cameras", v["image_mask"].numel()))
+    return PreparedEntry((str(meta["episode"]), int(meta["index"])), v["ffn_in"][:, :pv], v["ffn_out"][:, :pv],
+                         v["image_mask"][:cams], v["masks"] if meta.get("has_masks") else None)
+
+
 class WorkingSetReader:
-    """A reader's preallocated copy of working-set entries: the vision node reads whole entries
-    (Context Cache), the policy node only masks (Action Cache)."""
+    """A reader of working-set entries: the vision side pins whole entries in place (Context
+    Cache), the policy side copies only masks (small) into its own buffer (Action Cache)."""
 
-    ENTRY_FIELDS = ("ffn_in", "ffn_out", "image_mask", "masks")
-
-    def __init__(self, ring: RingBuffer, fields: tuple[str, ...] = ENTRY_FIELDS, device: torch.device | str = "cpu"):
+    def __init__(self, ring: RingBuffer, device: torch.device | str = "cpu"):
         self.ring = ring
-        self.buf: dict[str, Tensor] = {}
-        for name in fields:
-            f = ring.layout.field(name)
-            self.buf[name] = torch.zeros(f.shape, dtype=f.dtype, device=device)
+        f = ring.layout.field("masks")
+        self.masks = torch.zeros(f.shape, dtype=f.dtype, device=device)
 
-    def _read(self, slot: int, seq: int) -> dict | None:
-        info = self.ring.read(slot, seq, self.buf)
-        return info.meta if info is not None and isinstance(info.meta, dict) else None
-
-    def read_entry(self, slot: int, seq: int) -> PreparedEntry | None:
-        """The entry announced as (slot, seq), or None when it was replaced (then run dense)."""
-        meta = self._read(slot, seq)
-        if meta is None:
+    def pin_entry(self, slot: int, seq: int) -> tuple[PreparedEntry, PinnedSlot] | None:
+        """The entry announced as (slot, seq) in place, or None when it was replaced (run dense).
+        Whatever is computed from it counts only if ``pin.valid()`` afterwards."""
+        pin = self.ring.pin(slot, seq)
+        if pin is None or not isinstance(pin.meta, dict):
             return None
-        b, pv = self.buf, int(meta["visual_tokens"])
-        return PreparedEntry((str(meta["episode"]), int(meta["index"])), b["ffn_in"][:, :pv], b["ffn_out"][:, :pv],
-                             b["image_mask"], b["masks"] if meta.get("has_masks") else None)
+        return pinned_entry(pin), pin
 
     def read_masks(self, slot: int, seq: int) -> Tensor | None:
         """The Action Cache masks of entry (slot, seq); None when replaced or the entry has none."""
-        meta = self._read(slot, seq)
-        return self.buf["masks"] if meta is not None and meta.get("has_masks") else None
+        info = self.ring.read(slot, seq, {"masks": self.masks})
+        meta = info.meta if info is not None and isinstance(info.meta, dict) else None
+        return self.masks if meta is not None and meta.get("has_masks") else None
+
+
+def current_reader(reader: WorkingSetReader | None, name: str) -> WorkingSetReader | None:
+    """The working set to read now: ``reader`` unless its ring was replaced (the cache manager
+    restarted: a new segment, sequences from 0 again, maybe another layout, or it closed it),
+    then a fresh attachment (None while there is no working set: the call runs dense, it never
+    waits). A cache manager that died or stopped leaves its last window readable: its entries
+    stay valid (only a writer changes a slot), so calls go on selecting from it."""
+    if reader is not None and reader.ring.replaced():
+        reader.ring.close()
+        reader = None
+    if reader is not None:
+        return reader
+    try:
+        return WorkingSetReader(RingBuffer.attach(name, RingBuffer.peek_layout(name)))
+    except (RingBufferError, OSError):   # asked again every call
+        return None
+
+
+class WindowMirror:
+    """The published window as a ``CandidateSource``: a local candidate matrix kept in step with
+    the working set by sequence numbers, so selection costs a matrix-vector product and a read of
+    one word per slot, plus a copy of only the entries that changed since the last call.
+
+    Only entries of the current task's reference episodes (``follow_task``) are candidates, so a
+    window still holding another task's entries can never serve this one.
+    """
+
+    def __init__(self, ring: RingBuffer):
+        self.ring = ring
+        if "retrieval" not in {f.name for f in ring.layout.fields}:
+            raise ValueError(f"working set {ring.name!r} publishes no retrieval features (an older cache manager?)")
+        rf, hf = ring.layout.field("retrieval"), ring.layout.field("history")
+        self.matrix = CandidateMatrix(ring.slots, int(torch.Size(rf.shape).numel()), hf.shape[0], hf.shape[1])
+        self.task: str | None = None
+        self._episodes: frozenset[str] = frozenset()
+        self._seen = [-1] * ring.slots                      # sequence last looked at, per slot
+        self._at: dict[EntryKey, tuple[int, int]] = {}      # candidate -> (slot, seq)
+        self._key_of: list[EntryKey | None] = [None] * ring.slots
+
+    def follow_task(self, task: str, episodes: Iterable[str]) -> None:
+        """Candidates from now on: the prepared entries of ``episodes`` (the task's references)."""
+        episodes = frozenset(episodes)
+        if task != self.task or episodes != self._episodes:
+            self.task, self._episodes = task, episodes
+            self.matrix.clear()
+            self._at.clear()
+            self._seen = [-1] * self.ring.slots
+            self._key_of = [None] * self.ring.slots
+
+    def refresh(self) -> int:
+        """Bring the local matrix in step with the working set; returns the entries copied in."""
+        copied = 0
+        for slot in range(self.ring.slots):
+            seq = self.ring.slot_seq(slot)
+            if seq == self._seen[slot]:
+                continue
+            self._forget(slot)
+            if seq < 0:
+                self._seen[slot] = seq
+                continue
+            pin = self.ring.pin(slot, seq)
+            if pin is None or not isinstance(pin.meta, dict):
+                continue                                    # being rewritten: looked at again next call
+            meta = pin.meta
+            key = (str(meta["episode"]), int(meta["index"]))
+            if meta.get("selectable") and key[0] in self._episodes:
+                self.matrix.put(key, pin.views["retrieval"], pin.views["history"])
+                if not pin.valid():                         # rewritten during the copy: not a candidate
+                    self.matrix.remove(key)
+                    continue
+                self._at[key], self._key_of[slot] = (slot, seq), key
+                copied += 1
+            self._seen[slot] = seq
+        return copied
+
+    def _forget(self, slot: int) -> None:
+        key = self._key_of[slot]
+        if key is not None:
+            self._key_of[slot] = None
+            self._at.pop(key, None)
+            if key in self.matrix:
+                self.matrix.remove(key)
+
+    def location(self, key: EntryKey) -> tuple[int, int] | None:
+        """(slot, seq) of a candidate, as last seen."""
+        return self._at.get(key)
+
+    def __len__(self) -> int:
+        return len(self._at)
+
+    # CandidateSource
+    def candidates(self, task: str) -> CandidateMatrix | None:
+        return self.matrix if task == self.task else None

@@ -76,7 +76,6 @@ class EvalSpec:
     min_similarity: float = CacheSpec.min_similarity    # fallback: every query (the profile's default)
     first_scene_floor: bool = False       # fallback: an episode's first scene below the repository's floor
     max_end_matches: int = CacheSpec.max_end_matches    # fallback: past the references (the profile's default)
-    reference_timeout_s: float = 60.0
     seed: int = 0                         # policy noise seed
     engine: EngineSpec = field(default_factory=EngineSpec)
 
@@ -180,7 +179,7 @@ def run_episode(env: MetaWorldTask, pipeline, seed: int, n_execute: int, record:
 
 def _pipeline(spec: EvalSpec, mode: str, repository: Path | None, tag: str, rho_p: float = DEFAULT_RHO_P):
     cache = CacheSpec(enabled=mode == "cached", repository=str(repository) if repository else None,
-                      rho_p=rho_p, reference_timeout_s=spec.reference_timeout_s,
+                      rho_p=rho_p,
                       context_cache="context" in spec.caches, action_cache="action" in spec.caches,
                       min_similarity=spec.min_similarity, first_scene_floor=spec.first_scene_floor,
                       max_end_matches=spec.max_end_matches)

@@ -114,7 +114,7 @@ def run_pipeline_soak(work: str | Path, calls: int = 200, warmup: int = 20, samp
     ckpt, repo, episodes = demo if demo is not None else prepare_demo(Path(work), log)
     prefix = prefix or f"soak{os.getpid()}"
     rings = RingNames.tagged(prefix)
-    spec = PipelineSpec(ckpt, CAMS, CacheSpec(enabled=True, repository=str(repo), reference_timeout_s=60.0),
+    spec = PipelineSpec(ckpt, CAMS, CacheSpec(enabled=True, repository=str(repo)),
                         EngineSpec(preset="pi05-tiny", threads=threads), rings=rings, seed=0,
                         time_available_s=1.0, state_dim=7)
     frames = [(e, f) for e in episodes for f in e.frames]

@@ -79,6 +79,8 @@ def run_pipeline(spec: RunSpec, log: Callable[[str], None] = print) -> dict[str,
     calls: list[dict[str, Any]] = []
     with make_pipeline(pspec, spec.processes) as pipeline:
         start_s = time.perf_counter() - t0
+        if episode.frames:   # the episode announced before its first call, as the robot's reset does
+            pipeline.start_episode(episode.instruction_at(0))
         for i, frame in enumerate(episode.frames):
             t1 = time.perf_counter()
             res = pipeline.call(frame.images, np.asarray(frame.state), episode.instruction_at(i), start_tick=i)
@@ -96,6 +98,7 @@ def run_pipeline(spec: RunSpec, log: Callable[[str], None] = print) -> dict[str,
     phases = sorted({k for c in calls for k in c["seconds"]})
     return {"episode": str(spec.episode), "profile": profile.name, "checkpoint": str(pspec.checkpoint),
             "processes": spec.processes, "cache": pspec.cache.enabled, "start_s": start_s,
+            "episode_start_s": pipeline.last_episode_start_s if episode.frames else 0.0,
             "calls": len(calls), "cached_calls": sum(c["source"] == "cached" for c in calls),
             "median_seconds": {p: statistics.median(c["seconds"][p] for c in calls if p in c["seconds"])
                                for p in phases} if calls else {},

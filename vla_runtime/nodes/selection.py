@@ -1,0 +1,137 @@
+"""Reference selection in the vision process, from the window the cache manager publishes.
+
+Between the vision tower and the prefill a call needs its reference. Asking the cache manager
+for it (a process round trip, answered only when the manager is not busy rebuilding entries)
+cost 6.6 ms at the smallest model and timed out at 0.5 s on a loaded machine, so the choice is
+made here instead: the episode's retrieval state (``ReferenceSelector``) over a mirror of the
+published window (``WindowMirror``), then the chosen entry is pinned in place for the Context
+Cache. What was chosen goes on to the cache manager as a ``Selection`` note, after the fact, so
+it can slide its window while the robot executes; it is never waited for. A window that is not
+there, not ready or of another camera layout means a dense call, never a wait.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..cache.entry import PreparedEntry
+from ..cache.repository import ReferenceRepository
+from ..cache.retrieval import RetrievalConfig
+from ..cache.selector import ReferenceSelector, Selection
+from ..ipc.ring import PinnedSlot
+from .working_set import WindowMirror, WorkingSetReader, current_reader
+
+@dataclass
+class Choice:
+    """One call's selection and, when it found a prepared entry, that entry pinned in place."""
+
+    selection: Selection
+    entry: PreparedEntry | None = None
+    pin: PinnedSlot | None = None
+    slot: int = -1
+    seq: int = -1
+
+    @property
+    def found(self) -> bool:
+        return self.entry is not None
+
+    @property
+    def reason(self) -> str:
+        return self.selection.reason
+
+
+class WindowSelector:
+    """The episode's reference selection over the shared working set called ``working_set``.
+
+    The repository (its index only) gives each task's reference episodes and their lengths;
+    ``retrieval`` is the same configuration the cache manager was given (thresholds, floors).
+    """
+
+    def __init__(self, repo: ReferenceRepository, retrieval: RetrievalConfig, working_set: str):
+        self.name = working_set
+        self.episodes = {t: {r.episode_id: r.num_calls for r in repo.episodes(t)} for t in repo.tasks()}
+        layout = repo.call_layout or {}
+        if "state_history" not in layout:
+            raise ValueError(f"repository {repo.root} holds no episodes yet")
+        self.state_dim = int(layout["state_history"][1])
+        self.reader: WorkingSetReader | None = None
+        self.mirror: WindowMirror | None = None
+        self._had_window = False
+        self.selector = ReferenceSelector(retrieval, _NoSource(), self.episodes, self.state_dim)
+        self.retrieval = retrieval
+        self.episode_key: tuple[str, int] | None = None
+        self.torn = 0   # pinned entries rewritten while a prefill read them (that call reran dense)
+
+    def choose(self, request_seq: int, task: str, episode: int, features: Tensor, state: np.ndarray) -> Choice:
+        """The reference for one call (never waits; dense with the reason when none is usable)."""
+        if (task, episode) != self.episode_key:
+            self.episode_key = (task, episode)
+            self.selector.start_episode(task)
+        self.selector.observe_state(torch.as_tensor(np.asarray(state, dtype=np.float32)))
+        if task not in self.episodes:
+            return Choice(Selection(request_seq, task, episode, None,
+                                    reason=f"unknown task {task!r}: the repository has no reference episodes for it"))
+        down = self._attach()
+        if down:
+            return Choice(Selection(request_seq, task, episode, None, reason=down))
+        assert self.mirror is not None and self.reader is not None
+        self.mirror.follow_task(task, self.episodes.get(task, {}))
+        self.mirror.refresh()
+        try:
+            match = self.selector.select(features)
+        except ValueError as e:   # e.g. a camera layout the references were not recorded with
+            return Choice(Selection(request_seq, task, episode, None, reason=f"query refused: {e}"))
+        sel = self.selector.selection(request_seq, episode)
+        if match is None:
+            return Choice(sel)
+        where = self.mirror.location(match.key)
+        pinned = None if where is None else self.reader.pin_entry(*where)
+        if pinned is None:   # left the window between the refresh and now
+            return Choice(Selection(request_seq, task, episode, None, sel.candidates,
+                                    f"entry {match.key} replaced before it was read"))
+        entry, pin = pinned
+        return Choice(sel, entry, pin, *where)
+
+    def _attach(self) -> str:
+        """Attach to (or re-attach to a restarted cache manager's) working set: '' when there is
+        one to select from, else why the call runs dense."""
+        reader = current_reader(self.reader, self.name)
+        if reader is None:
+            self.reader = self.mirror = None
+            return ("cache manager not running (working set gone)" if self._had_window else
+                    "no working set yet (cache manager starting)")
+        if reader is not self.reader:
+            try:
+                self.mirror = WindowMirror(reader.ring)
+            except ValueError as e:
+                reader.ring.close()
+                self.reader = self.mirror = None
+                return f"working set unusable: {e}"
+            self.reader = reader
+            self.selector.retriever.source = self.mirror
+            self._had_window = True
+        return ""
+
+    def diagnostics(self) -> dict[str, str]:
+        st = self.selector.retriever.stats
+        rate = st.hits / st.queries if st.queries else 0.0
+        return {"queries": str(st.queries), "hits": str(st.hits), "hit_rate": f"{rate:.3f}",
+                "fallbacks": str(st.fallbacks), "stalls": str(st.stalls), "past_end": str(st.past_end),
+                "last_similarity": f"{st.last_similarity:.4f}", "torn_references": str(self.torn),
+                "window_entries": str(0 if self.mirror is None else len(self.mirror))}
+
+    def close(self) -> None:
+        if self.reader is not None:
+            self.reader.ring.close()
+            self.reader = self.mirror = None
+
+
+class _NoSource:
+    """Before a working set is attached: no task has candidates."""
+
+    def candidates(self, task: str) -> None:
+        return None
