@@ -35,7 +35,7 @@ def ros_demo(tmp_path_factory) -> dict:
     profile = yaml.safe_load((ROOT / "config" / "sim.yaml").read_text())
     profile["engine"].update(checkpoint=str(demo["checkpoint"]), preset="pi05-tiny", threads=1)
     profile["control_hz"] = 20.0
-    profile["cache"] = {"enabled": True, "repository": str(tmp / "repo"), "reference_timeout_s": 5.0}
+    profile["cache"] = {"enabled": True, "repository": str(tmp / "repo")}
     episode = read_episode(list_episode_bags(demo["held_out"])[0], demo_topics(CAMERAS), call_period=0.5)
     frame = episode.frames[0]
     return {"checkpoint": demo["checkpoint"], "repo": tmp / "repo", "profile": profile, "task": episode.task, "state": np.asarray(frame.state).tolist(),

@@ -3,8 +3,9 @@
     python pipeline_peers.py run SPEC_JSON
 
 starts the real vision, policy and cache manager node processes and a test robot process, waits
-(bounded) for the robot to receive the first ActionChunk and every node's diagnostics, stops
-everything and prints the robot's JSON report.
+(bounded) for the robot to receive the first cached ActionChunk (calls before the cache manager
+has its window up run dense, by design) and every node's diagnostics, stops everything and prints
+the robot's JSON report.
 SPEC_JSON: {"profile": path, "images": {camera: [[...]] uint8 HxWx3 lists}, "state": [...],
 "task": str, "joint_names": [...], "cameras": {camera: topic}, "timeout": s, "rings": suffix}.
 """
@@ -35,13 +36,16 @@ def robot(spec: dict) -> int:
     rclpy.init()
     node = rclpy.create_node("test_robot")
     got: dict = {}
-    node.create_subscription(ActionChunk, "/vla_runtime/action_chunk",
-                             lambda m: got.setdefault("chunk", {"call_id": m.call_id, "shape": [m.chunk_length, m.action_dim],
-                                                                "actions": list(m.actions), "source": m.source}), 10)
+    def on_chunk(m) -> None:
+        got["dense_before"] = got.get("dense_before", 0) + int("chunk" not in got and m.source != "cached")
+        if m.source == "cached":
+            got.setdefault("chunk", {"call_id": m.call_id, "shape": [m.chunk_length, m.action_dim],
+                                     "actions": list(m.actions), "source": m.source})
+    node.create_subscription(ActionChunk, "/vla_runtime/action_chunk", on_chunk, 10)
     diagnostics: dict = got.setdefault("diagnostics", {})
     def on_diagnostics(m) -> None:   # the newest of each node that shows a call (nodes also report once a second)
         values = {kv.key: kv.value for kv in m.status[0].values}
-        if int(values.get("calls", values.get("queries", "0"))) >= 1:
+        if int(values.get("calls", values.get("selections", "0"))) >= 1:
             diagnostics[m.status[0].name] = values
     node.create_subscription(DiagnosticArray, "/diagnostics", on_diagnostics, 10)
     wanted = {f"vla_runtime: {n}" for n in ("policy", "vision", "cache manager")}
@@ -63,8 +67,8 @@ def robot(spec: dict) -> int:
     deadline = time.monotonic() + spec["timeout"]
     # Publish only once the three nodes have found each other (DDS discovery): a first call sent
     # while the cache manager is not yet subscribed runs dense, by design.
-    while time.monotonic() < deadline and not (node.count_subscribers("/vla_runtime/reference_query") >= 1
-                                               and node.count_publishers("/vla_runtime/reference_query") >= 1
+    while time.monotonic() < deadline and not (node.count_subscribers("/vla_runtime/reference_selection") >= 1
+                                               and node.count_publishers("/vla_runtime/reference_selection") >= 1
                                                and node.count_subscribers("/joint_states") >= 1):
         rclpy.spin_once(node, timeout_sec=0.1)
     node.create_timer(0.05, publish)
@@ -80,8 +84,8 @@ def run(spec: dict) -> int:
     assert_only_loopback()
     sfx = spec["rings"]
     args = ["--ros-args", "-p", f"profile:={spec['profile']}", "-p", f"working_set:=refs_{sfx}"]
-    extra = {"vision_node": ["-p", f"ring:=prefix_{sfx}", "-p", f"query_ring:=query_{sfx}"],
-             "cache_manager_node": ["-p", f"query_ring:=query_{sfx}"], "policy_node": ["-p", "request_timeout_s:=20.0"]}
+    extra = {"vision_node": ["-p", f"ring:=prefix_{sfx}"], "cache_manager_node": [],
+             "policy_node": ["-p", "request_timeout_s:=20.0"]}
     nodes = [subprocess.Popen([sys.executable, "-m", f"vla_runtime.nodes.{n}", *args, *extra[n]],
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
              for n in ("cache_manager_node", "vision_node", "policy_node")]

@@ -30,8 +30,6 @@ PEERS = Path(__file__).with_name("pipeline_peers.py")
 def test_nodes_publish_the_engines_chunk(ros_demo, tmp_path: Path) -> None:
     cams = ["top", "wrist"]
     profile = copy.deepcopy(ros_demo["profile"])
-    # generous: on 2 busy cores the cache manager's first answer includes preparing the window
-    profile["cache"]["reference_timeout_s"] = 15.0
     # likewise the watchdog: a chunk arriving later than watchdog_s after its call is not executed
     profile["streaming"]["watchdog_s"] = 30.0
     # the robot repeats one frame, so its calls keep matching one reference call, which may be that
@@ -55,15 +53,16 @@ def test_nodes_publish_the_engines_chunk(ros_demo, tmp_path: Path) -> None:
     diag = report["diagnostics"]
     assert float(diag["vla_runtime: policy"]["call_latency_s"]) > 0 and int(diag["vla_runtime: policy"]["calls"]) >= 1
     assert float(diag["vla_runtime: vision"]["vision_s"]) > 0 and diag["vla_runtime: vision"]["reference"]
-    assert int(diag["vla_runtime: cache manager"]["hits"]) >= 1
+    assert int(diag["vla_runtime: vision"]["hits"]) >= 1 and int(diag["vla_runtime: cache manager"]["selections"]) >= 1
     got = report["chunk"]
     assert got["source"] == "cached"
-    # The first chunk's call: call 0, or a later one when an early request went unanswered (sent
-    # before the vision node was up) and was asked again. No chunk was merged before it, so its
-    # prompt state is the observed state; its noise is seeded by its call id. The cache manager
-    # saw one query in this episode (unanswered requests never reached it).
+    # The first cached chunk's call: call 0, or a later one when the window was not up yet (those
+    # ran dense) or an early request went unanswered (sent before the vision node was up). The
+    # robot repeats one frame, so every call's prompt state is the observed state, and the first
+    # reference found is the episode's first search over the initial window, as in-process; its
+    # noise is seeded by its call id.
     call_id = got["call_id"]
-    assert call_id <= 5
+    assert call_id <= 5 and report.get("dense_before", 0) <= call_id
 
     policy = Pi05Policy.from_checkpoint(ros_demo["checkpoint"], camera_names=cams)
     repo = ReferenceRepository.open(ros_demo["repo"])

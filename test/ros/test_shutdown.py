@@ -1,7 +1,7 @@
-"""Ctrl-C while a call is in flight: the vision node is interrupted while it waits for a
-reference that will not come (the cache manager is stopped), with a reference wait far longer
-than any shutdown may take. It must exit at once, with code 0, and leave no shared memory
-behind; before, its worker thread sat out the whole wait and the ring was closed under it."""
+"""A stopped cache manager holds up no call, and Ctrl-C ends the vision node cleanly: with the
+cache manager stopped (SIGSTOP) the vision node still serves the next call from the published
+window (it once waited for an answer that could not come), then it is interrupted and must exit
+with code 0, leaving no shared memory behind."""
 
 from __future__ import annotations
 
@@ -17,14 +17,12 @@ from vla_runtime.testing.scenarios import node_logs, run_scenario
 
 INSTALL = Path(__file__).resolve().parents[2] / "install"
 PEERS = Path(__file__).with_name("shutdown_peers.py")
-REFERENCE_WAIT_S = 60.0
 
 
 @pytest.fixture(scope="module")
 def report(ros_demo, tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("ros_shutdown")
     profile = copy.deepcopy(ros_demo["profile"])
-    profile["cache"]["reference_timeout_s"] = REFERENCE_WAIT_S
     (tmp / "profile.yaml").write_text(yaml.safe_dump(profile))
     (tmp / "logs").mkdir()
     spec = {"profile": str(tmp / "profile.yaml"), "logs": str(tmp / "logs"), "images": ros_demo["images"],
@@ -36,11 +34,9 @@ def report(ros_demo, tmp_path_factory) -> dict:
     return rep
 
 
-def test_vision_node_interrupted_while_waiting_for_a_reference_exits_cleanly(report):
+def test_a_call_is_served_while_the_cache_manager_is_stopped_and_the_vision_node_exits_cleanly(report):
     assert report["first_served"] and report["quiet"], report["logs"]
-    assert not report["second_served_before_interrupt"], report   # it was waiting, as arranged
-    # Exit code 0, not the driver's SIGKILL: the driver gives up after 30 s, half the reference
-    # wait, so a wait sat out would end in -9 (the time taken is in the report, not judged here).
-    assert report["vision_exit_code"] == 0, report["logs"]
+    assert report["second_served_while_cache_manager_stopped"], report
+    assert report["vision_exit_code"] == 0, report["logs"]   # not the driver's SIGKILL
     assert report["rings_left"] == [], report
     assert report["cache_manager_exit_code"] == 0, report["logs"]

@@ -14,11 +14,12 @@ import time
 
 from diagnostic_msgs.msg import DiagnosticArray
 from rclpy.node import Node
-from std_msgs.msg import Empty
+from std_msgs.msg import Empty, String
 
 from vla_runtime.msg import ReferenceSelection
 
 from ..cache.retrieval import Match
+from .conversions import InputError, instruction_from_msg
 from .diagnostics import DIAGNOSTICS_TOPIC, diagnostic_array
 from .params import CACHE_MANAGER, declare_parameters, profile_and_checkpoint, ring_names
 from .prefix_ring import EPISODE_TOPIC, SELECTION_TOPIC
@@ -43,7 +44,9 @@ class CacheManagerNode(Node):
         self.stage = CacheStage(policy, prof.cache, ring_names(v), prof.arm_slices)
         self.diag_pub = self.create_publisher(DiagnosticArray, DIAGNOSTICS_TOPIC, 10)
         self.create_subscription(ReferenceSelection, SELECTION_TOPIC, self._on_selection, 10)
+        self.episode = 0   # counted from EPISODE_TOPIC as the policy node counts it (its requests carry it)
         self.create_subscription(Empty, EPISODE_TOPIC, self._on_episode_start, 10)
+        self.create_subscription(String, prof.instruction_topic, self._on_instruction, 10)
         self.create_timer(0.1, self.stage.heartbeat)
         self.create_timer(1.0, self._publish_diagnostics)
         state = f"on, fallback: {self.stage.fallback_rule}" if self.stage.enabled else \
@@ -65,16 +68,30 @@ class CacheManagerNode(Node):
         self.last_upkeep_s = time.perf_counter() - t0
         self._publish_diagnostics()
 
+    def _on_instruction(self, msg: String) -> None:
+        """A new instruction: prepare its task's initial window now, before the first call needs
+        it (a call finding no window of its task runs dense; it never waits)."""
+        try:
+            task = instruction_from_msg(msg)
+        except InputError:
+            return   # the policy node refuses it and says why
+        w = self.stage.worker
+        if w is not None and task != w.manager.task:
+            self._begin(task)
+
     def _on_episode_start(self, _msg: Empty) -> None:
         """The same task starts again: load its initial window now, while the robot resets, not in
         the first call. The policy node numbers episodes from the same message; should the two
-        counts ever differ, the first query starts the episode itself (only slower)."""
+        counts ever differ, the first selection note starts the episode itself (only later)."""
+        self.episode += 1
         w = self.stage.worker
         if w is not None and w.manager.task is not None:
-            t0 = time.perf_counter()
-            self.stage.begin(w.manager.task, (w.episode or 0) + 1)
-            self.get_logger().info(f"episode {w.episode} of {w.manager.task!r} prepared ahead in "
-                                   f"{time.perf_counter() - t0:.3f} s")
+            self._begin(w.manager.task)
+
+    def _begin(self, task: str) -> None:
+        t0 = time.perf_counter()
+        self.stage.begin(task, self.episode)
+        self.get_logger().info(f"episode {self.episode} of {task!r} prepared ahead in {time.perf_counter() - t0:.3f} s")
 
     def _on_parameter(self, name: str, value: object) -> None:
         if name == "time_available_s":   # from the next call's upkeep on

@@ -242,6 +242,7 @@ class CacheWorker:
         self.episodes_started = 0
         self.episode: int | None = None
         self.last_selection: Selection | None = None
+        self.selections = 0
 
     def begin(self, task: str, episode: int = 0) -> bool:
         """Start (task, episode) unless it is the current one: the task pack and the initial
@@ -258,6 +259,7 @@ class CacheWorker:
         """What the vision side selected for a call: the window slides after it."""
         self.manager.follow(selection)
         self.last_selection = selection
+        self.selections += 1
 
     def prepare(self, time_available_s: float | None = None) -> PrepareReport:
         """Slide the window after a call (meant to overlap the robot executing the chunk)."""
@@ -266,7 +268,8 @@ class CacheWorker:
 
     def diagnostics(self) -> dict[str, str]:
         m, sel = self.manager, self.last_selection
-        return {"prepared_entries": str(len(m.entries)), "task": m.task or "", "stalls": str(m.stalls),
+        return {"selections": str(self.selections), "prepared_entries": str(len(m.entries)), "task": m.task or "",
+                "stalls": str(m.stalls),
                 "episodes_started": str(self.episodes_started),
                 "last_reference": "" if sel is None or sel.match is None else f"{sel.match.episode_id}:{sel.match.index}",
                 "last_dense_reason": "" if sel is None else sel.reason}
