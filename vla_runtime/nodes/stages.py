@@ -131,11 +131,17 @@ def open_repository_meta(spec: CacheSpec, policy: Pi05Policy) -> ReferenceReposi
 
 def cache_config(spec: CacheSpec, repo: ReferenceRepository | None) -> CacheConfig | None:
     """The engine-side cache parameters: rho_p from the profile, rho_n and the step groups from the
-    repository (its masks were built for them)."""
+    repository (its masks were built for them), and which halves run: the profile's auto/on/off
+    against the repository's recorded half timing (``resolve_halves``), logged here, at each
+    stage's start-up, and kept as ``CacheConfig.reason`` for diagnostics."""
+    from ..cache.halves import resolve_halves   # (here: this function is the only user in this module)
+
     if repo is None:
         return None
+    halves = resolve_halves(spec.context_cache, spec.action_cache, repo.meta.half_timing, spec.rho_p)
+    log.warning("muscle-memory cache: %s", halves.reason)   # once per stage start-up, seen at the default level
     return CacheConfig(rho_p=spec.rho_p, rho_n=repo.meta.rho_n, groups=tuple(tuple(g) for g in repo.meta.mask_groups),
-                       context_cache=spec.context_cache, action_cache=spec.action_cache)
+                       context_cache=halves.context_cache, action_cache=halves.action_cache, reason=halves.reason)
 
 
 def manager_config(spec: CacheSpec, repo: ReferenceRepository, arm_slices: tuple[tuple[int, int], ...] = ()) -> ManagerConfig:
