@@ -18,6 +18,7 @@ from vla_runtime.cache.repository import ReferenceRepository
 from vla_runtime.engine.policy import Pi05Policy
 from vla_runtime.io.bags import write_episode_bag
 from vla_runtime.models.config import preset
+from vla_runtime.nodes.profile import EngineSpec
 from vla_runtime.sim.metaworld_env import DEFAULT_CAMERAS, TASK_INSTRUCTIONS, MetaWorldConfig, MetaWorldTask
 from vla_runtime.tools.demo import write_random_checkpoint
 from vla_runtime.tools import eval as eval_tool
@@ -203,7 +204,7 @@ def test_a_repository_built_by_eval_runs_at_profiled_ratios_unless_given(setup, 
     monkeypatch.setattr(eval_tool, "record_references", lambda spec, log: (bags, {TASK: 2}))
     ratios = {"rho_p": 0.6, "rho_n": 0.75} if given else {}
     spec = EvalSpec(checkpoint=setup["checkpoint"], out=tmp_path / "out", tasks=(TASK,), episodes=1, n_execute=4,
-                    max_steps=4, image_size=32, profile_episodes=1, **ratios)
+                    max_steps=4, image_size=32, profile_episodes=1, engine=EngineSpec(threads=1), **ratios)
     report = evaluate(spec, log=lambda m: None)
     repo = report["repository"]
     assert repo["built"] and bool(repo["profile"]) != given
@@ -223,6 +224,7 @@ def test_a_repository_built_by_eval_runs_at_profiled_ratios_unless_given(setup, 
     assert report["auto"]["timing_source"] == ("timed by eval on the repository's calls (now recorded in it)" if given
                                                else "recorded by build-cache --profile")
     assert recorded.rho_p == repo["rho_p"] and recorded.rho_n == repo["rho_n"]
+    assert recorded.threads == 1      # timed at the pipeline's thread count (engine.threads)
 
 
 def test_the_cached_mode_forces_the_halves_whatever_auto_would_pick(setup, tmp_path):

@@ -271,26 +271,31 @@ def auto_choice(spec: EvalSpec, repository: Path, rho_p: float, built: bool,
 
     The decision reads the half timing the repository records (``build-cache --profile``, which
     the repository built here went through when it was profiled). When it records none, the
-    halves are timed here the same way (``time_halves``) on the repository's own calls, at the
-    pipeline's thread count, and recorded in it when it was built here (a repository given with
-    ``--repository`` is only read).
+    halves are timed here the same way (``time_halves``) on the repository's own calls, and
+    recorded in it when it was built here (a repository given with ``--repository`` is only read).
     """
     repo = ReferenceRepository.open(repository, verify=False)
     timing, source = repo.meta.half_timing, "recorded by build-cache --profile"
     if timing is None:
         log("the repository records no half timing: timing each half against dense on its calls ...")
         policy = Pi05Policy.from_checkpoint(spec.checkpoint, camera_names=list(spec.cameras))
-        threads = torch.get_num_threads()
-        torch.set_num_threads(spec.engine.threads or threads)
-        try:
-            timing = time_repository_halves(policy.engine.model, repo, rho_p, record=built, log=log)
-        finally:
-            torch.set_num_threads(threads)
+        timing = time_repository_halves(policy.engine.model, repo, rho_p, record=built, log=log)
         source = "timed by eval on the repository's calls" + (" (now recorded in it)" if built else "")
     halves = resolve_halves("auto", "auto", timing, rho_p)
     log(f"auto would run: {halves.reason}")
     return {"context_cache": halves.context_cache, "action_cache": halves.action_cache, "reason": halves.reason,
             "half_timing": timing.as_dict(), "timing_source": source}
+
+
+@contextlib.contextmanager
+def _torch_threads(n: int | None):
+    """torch's intra-op threads set to ``n`` (None: left as they are) for the block, then restored."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n or before)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _mean(xs: list[float]) -> float | None:
@@ -330,9 +335,11 @@ def evaluate(spec: EvalSpec, log: Callable[[str], None] = print) -> dict[str, An
                               "modes": {}}
     repository = None
     if "cached" in spec.modes:
-        repository, report["repository"] = build_reference_repository(spec, log)
-        report["auto"] = auto_choice(spec, repository, report["repository"]["rho_p"], report["repository"]["built"],
-                                     log)
+        # built and timed at the pipeline's thread count, so the halves' timing is the pipeline's
+        with _torch_threads(spec.engine.threads):
+            repository, report["repository"] = build_reference_repository(spec, log)
+            report["auto"] = auto_choice(spec, repository, report["repository"]["rho_p"],
+                                         report["repository"]["built"], log)
         if spec.first_scene_floor:
             report["repository"]["first_call_floors"] = first_call_floors(ReferenceRepository.open(repository))
     per_episode: dict[str, list[EpisodeResult]] = {m: [] for m in spec.modes}
