@@ -377,3 +377,47 @@ def test_refuses_corrupt_header(built):
     path.write_bytes(bytes(data))
     with pytest.raises(RepositoryError, match="corrupt safetensors header"):
         ReferenceRepository.open(root, verify=False)
+
+
+# ----------------------------------------------------------------------------- half timing
+
+
+def _half_timing():
+    from vla_runtime.cache.halves import HalfTiming, PhaseTiming
+
+    return HalfTiming(PhaseTiming(0.02, 0.025, 6), PhaseTiming(0.03, 0.02, 6), device="cpu", threads=2,
+                      dtype="float32", rho_p=0.4, rho_n=0.2, calls=2, repeats=3)
+
+
+def test_half_timing_is_recorded_and_read_back(built, tmp_path):
+    root, _ = built
+    repo = ReferenceRepository.open(root)
+    assert repo.meta.half_timing is None                 # not measured
+    timing = _half_timing()
+    repo.record_half_timing(timing)
+    again = ReferenceRepository.open(root)
+    assert again.meta.half_timing == timing
+    assert json.loads((root / "index.json").read_text())["half_timing"]["action_cache"]["speedup"] == pytest.approx(1.5)
+    # given at creation it is written with the index
+    made = ReferenceRepository.create(tmp_path / "other", make_meta(half_timing=timing))
+    assert ReferenceRepository.open(made.root).meta.half_timing == timing
+
+
+def test_a_repository_written_before_the_half_timing_opens_as_not_measured(built):
+    root, calls = built
+    _edit_index(root, lambda ix: ix.pop("half_timing"))
+    repo = ReferenceRepository.open(root)
+    assert repo.meta.half_timing is None
+    assert_call_equal(repo.load_call("ep1", 4), calls["ep1"][4])
+
+
+def test_a_damaged_half_timing_is_refused_by_field(built):
+    root, _ = built
+    bad = _half_timing().as_dict()
+    bad["context_cache"]["dense_s"] = "fast"
+    _edit_index(root, lambda ix: ix.update(half_timing=bad))
+    with pytest.raises(RepositoryError, match=r"index.json: field 'half_timing'.context_cache.dense_s: must be a "
+                                              r"positive number"):
+        ReferenceRepository.open(root)
+    with pytest.raises(RepositoryError, match="half_timing"):
+        make_meta(half_timing={"context_cache": {}})

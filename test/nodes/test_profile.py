@@ -36,7 +36,10 @@ def _sim() -> dict:
     (lambda d: d.update(arm_slices=[[0, 9]]), "arm_slices"),
     (lambda d: d["engine"].update(dtype="int8"), "engine.dtype"),
     (lambda d: d.update(cache={"background_nice": 20}), r"cache.background_nice: must be an int in \[0, 19\]"),
-    (lambda d: d.update(cache={"action_cache": "yes"}), "context_cache and action_cache must be true or false"),
+    (lambda d: d.update(cache={"action_cache": "yes"}), r"sim.cache: cache.action_cache: must be auto, on or off"),
+    (lambda d: d.update(cache={"context_cache": 1}), r"sim.cache: cache.context_cache: must be auto, on or off"),
+    (lambda d: d.update(cache={"enabled": True, "repository": "/r", "context_cache": "off", "action_cache": "off"}),
+     "both context_cache and action_cache off"),
     (lambda d: d.update(cache={"min_similarity": 0}), r"cache.min_similarity: must be in \(0, 1\]"),
     (lambda d: d.update(cache={"first_scene_floor": "yes"}), "cache.first_scene_floor: must be true or false"),
     (lambda d: d.update(cache={"max_end_matches": -1}), r"cache.max_end_matches: must be an integer >= 0"),
@@ -61,6 +64,26 @@ def test_a_retired_cache_key_is_warned_and_ignored(caplog):
     with caplog.at_level("WARNING"):
         prof = profile_from_dict(d, "sim")
     assert prof.cache.min_similarity == 0.7 and "sim.cache.reference_timeout_s is no longer used" in caplog.text
+
+
+@pytest.mark.parametrize("context, action, want", [
+    (None, None, ("auto", "auto")),          # the default: the repository's recorded timing decides
+    ("auto", "on", ("auto", "on")), ("off", "auto", ("off", "auto")),
+    (True, False, ("on", "off")),            # older profiles' booleans
+    ("ON", "Off", ("on", "off")),
+])
+def test_cache_halves_read_as_auto_on_or_off(context, action, want):
+    d = _sim()
+    d["cache"] = {k: v for k, v in (("context_cache", context), ("action_cache", action)) if v is not None}
+    c = profile_from_dict(d, "sim").cache
+    assert (c.context_cache, c.action_cache) == want
+
+
+def test_yaml_on_and_off_unquoted_mean_on_and_off():
+    """YAML 1.1 reads a bare on/off as a boolean: it still means what it says."""
+    d = yaml.safe_load("cache: {context_cache: off, action_cache: on}")
+    c = profile_from_dict({**_sim(), **d}, "sim").cache
+    assert (c.context_cache, c.action_cache) == ("off", "on")
 
 
 def test_missing_and_broken_files(tmp_path):

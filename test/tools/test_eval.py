@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 
 import numpy as np
@@ -17,6 +18,7 @@ from vla_runtime.cache.repository import ReferenceRepository
 from vla_runtime.engine.policy import Pi05Policy
 from vla_runtime.io.bags import write_episode_bag
 from vla_runtime.models.config import preset
+from vla_runtime.nodes.profile import EngineSpec
 from vla_runtime.sim.metaworld_env import DEFAULT_CAMERAS, TASK_INSTRUCTIONS, MetaWorldConfig, MetaWorldTask
 from vla_runtime.tools.demo import write_random_checkpoint
 from vla_runtime.tools import eval as eval_tool
@@ -98,6 +100,14 @@ def test_eval_reports_consistent_numbers(setup):
     unreferenced = eval_table({**report, "repository": {"reference_successes": {TASK: 0}}})
     assert f"no reference episode succeeded for {TASK}: the repository has nothing for it" in unreferenced
     assert (spec.out / "eval.png").stat().st_size > 1000
+    # what `auto` would pick: the given repository records no timing, so eval timed the halves on its
+    # calls, reports them, and leaves the repository it was given as it was
+    auto = report["auto"]
+    assert auto["timing_source"] == "timed by eval on the repository's calls"
+    for half in ("context_cache", "action_cache"):
+        assert auto[half] == (auto["half_timing"][half]["speedup"] > 1.0)
+    assert ReferenceRepository.open(setup["repo"]).meta.half_timing is None
+    assert on_disk["auto"]["reason"] == auto["reason"] and "with `auto` on this machine the runtime would run" in table
 
 
 def test_eval_refuses_overlapping_seeds(setup, tmp_path):
@@ -194,7 +204,7 @@ def test_a_repository_built_by_eval_runs_at_profiled_ratios_unless_given(setup, 
     monkeypatch.setattr(eval_tool, "record_references", lambda spec, log: (bags, {TASK: 2}))
     ratios = {"rho_p": 0.6, "rho_n": 0.75} if given else {}
     spec = EvalSpec(checkpoint=setup["checkpoint"], out=tmp_path / "out", tasks=(TASK,), episodes=1, n_execute=4,
-                    max_steps=4, image_size=32, profile_episodes=1, **ratios)
+                    max_steps=4, image_size=32, profile_episodes=1, engine=EngineSpec(threads=1), **ratios)
     report = evaluate(spec, log=lambda m: None)
     repo = report["repository"]
     assert repo["built"] and bool(repo["profile"]) != given
@@ -208,6 +218,35 @@ def test_a_repository_built_by_eval_runs_at_profiled_ratios_unless_given(setup, 
     assert ReferenceRepository.open(tmp_path / "out" / "repository", verify=False).meta.rho_n == repo["rho_n"]
     assert ("profiled on the reference episodes" in (tmp_path / "out" / "eval.md").read_text()) != given
     assert repo["ratios_from"] == ("given" if given else "profiled on the reference episodes")
+    # the halves' timing: build-cache's own when it profiled, else eval's; in the repository either way
+    recorded = ReferenceRepository.open(tmp_path / "out" / "repository", verify=False).meta.half_timing
+    assert recorded is not None and report["auto"]["half_timing"] == recorded.as_dict()
+    assert report["auto"]["timing_source"] == ("timed by eval on the repository's calls (now recorded in it)" if given
+                                               else "recorded by build-cache --profile")
+    assert recorded.rho_p == repo["rho_p"] and recorded.rho_n == repo["rho_n"]
+    assert recorded.threads == 1      # timed at the pipeline's thread count (engine.threads)
+
+
+def test_the_cached_mode_forces_the_halves_whatever_auto_would_pick(setup, tmp_path):
+    """A repository whose recorded timing has both halves slower than dense: ``auto`` would run
+    dense, but the cached mode forces the halves ``caches`` names, so its success is the cache's."""
+    from vla_runtime.cache.halves import HalfTiming, PhaseTiming
+
+    repo = tmp_path / "repo"
+    shutil.copytree(setup["repo"], repo)
+    slow = PhaseTiming(0.01, 0.02, 2)
+    ReferenceRepository.open(repo).record_half_timing(HalfTiming(slow, slow, "cpu", 1, "float32", 0.4, 0.5, 1, 2))
+    spec = EvalSpec(checkpoint=setup["checkpoint"], out=tmp_path / "out", tasks=(TASK,), episodes=1, n_execute=4,
+                    max_steps=8, image_size=32, repository=repo, modes=("cached",))
+    report = evaluate(spec, log=lambda m: None)
+    assert not report["auto"]["context_cache"] and not report["auto"]["action_cache"]
+    assert "effectively dense" in report["auto"]["reason"]
+    assert report["auto"]["timing_source"] == "recorded by build-cache --profile"
+    assert report["modes"]["cached"]["overall"]["cached_calls"] >= 1
+    with eval_tool._pipeline(spec, "cached", repo, f"force{os.getpid()}") as pipeline:
+        assert (pipeline.spec.cache.context_cache, pipeline.spec.cache.action_cache) == ("on", "on")
+        cc = pipeline.policy.worker.cache
+        assert (cc.context_cache, cc.action_cache) == (True, True) and "forced by the profile" in cc.reason
 
 
 def test_eval_pool_pairs_the_seeds_of_several_runs_once_each(setup, tmp_path, capsys):

@@ -28,6 +28,8 @@ from ..models.gemma import DenoiseFFN
 from ..models.pi05 import Pi05Model
 from ..tools.flops import cached_flops, dense_flops
 from .entry import PreparedEntry, reconstruct_entry
+from .half_profile import TimingCase, time_halves
+from .halves import HalfTiming
 from .manager import model_images_to_stored
 from .masks import DEFAULT_GROUPS, ContributionRecorder, Groups, group_masks, validate_groups
 from .repository import ReferenceCall, ReferenceRepository, RepositoryMeta
@@ -139,6 +141,15 @@ class ProfilePoint:
     median_denoise_speedup: float
 
 
+@dataclass(frozen=True)
+class ProfiledCall:
+    """A held-out call that retrieval matched, with its reference (reconstructed, no masks)."""
+
+    held_out: RecordedCall
+    reference: RecordedCall
+    entry: PreparedEntry
+
+
 def _relative_l2(a: Tensor, b: Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
@@ -146,11 +157,13 @@ def _relative_l2(a: Tensor, b: Tensor) -> float:
 @torch.no_grad()
 def profile_ratios(model: Pi05Model, references: dict[str, list[RecordedCall]], held_out: dict[str, list[RecordedCall]],
                    task_of: dict[str, str], grid: Sequence[tuple[float, float]], groups: Groups,
-                   retrieval: RetrievalConfig, log: Log = lambda m: None) -> list[ProfilePoint]:
+                   retrieval: RetrievalConfig, log: Log = lambda m: None
+                   ) -> tuple[list[ProfilePoint], list[ProfiledCall]]:
     """Replay held-out episodes against the references: dense vs cached at every grid point.
 
     Every reference call is a candidate (the whole task pack, as if prepared); the matched
-    reference is reconstructed once and reused across grid points.
+    reference is reconstructed once and reused across grid points. Also returns the matched
+    calls, on which ``time_profiled_halves`` times each half at the chosen ratios.
     """
     packs: dict[str, CandidateMatrix] = {}
     for task in set(task_of[e] for e in references):
@@ -168,6 +181,7 @@ def profile_ratios(model: Pi05Model, references: dict[str, list[RecordedCall]], 
     flops: dict[tuple[float, float], list[float]] = {p: [] for p in grid}
     cfg = model.cfg
     calls = 0
+    matched: list[ProfiledCall] = []
     for eid, recs in held_out.items():
         task = task_of[eid]
         retriever.start_episode(task, max_calls=max(len(c) for c in references.values()))
@@ -184,6 +198,7 @@ def profile_ratios(model: Pi05Model, references: dict[str, list[RecordedCall]], 
                     model, match.key, (c.images.permute(0, 3, 1, 2).float() / 127.5 - 1.0).to(d.actions.device),
                     c.image_mask, c.tokens, c.token_mask, None)
             base = entries[match.key]
+            matched.append(ProfiledCall(rec, ref, base))
             for rho_p, rho_n in grid:
                 entry = PreparedEntry(base.key, base.ffn_in, base.ffn_out, base.image_mask,
                                       group_masks(ref.scores, groups, rho_n))
@@ -209,7 +224,17 @@ def profile_ratios(model: Pi05Model, references: dict[str, list[RecordedCall]], 
             median_speedup=statistics.median(speed[p]) if speed[p] else float("nan"),
             median_prefill_speedup=statistics.median(phase_speed[p]["prefill"]) if v else float("nan"),
             median_denoise_speedup=statistics.median(phase_speed[p]["denoise"]) if v else float("nan")))
-    return points
+    return points, matched
+
+
+def time_profiled_halves(model: Pi05Model, matched: Sequence[ProfiledCall], rho_p: float, rho_n: float,
+                         groups: Groups, repeats: int = 3, log: Log = lambda m: None) -> HalfTiming:
+    """Each half against dense on the profiled calls, the reference masks rebuilt at ``rho_n``."""
+    cases = [TimingCase(m.held_out.inputs, m.held_out.noise,
+                        PreparedEntry(m.entry.key, m.entry.ffn_in, m.entry.ffn_out, m.entry.image_mask,
+                                      group_masks(m.reference.scores, groups, rho_n)))
+             for m in matched]
+    return time_halves(model, cases, rho_p, rho_n, groups, repeats=repeats, log=log)
 
 
 def choose_ratios(points: Sequence[ProfilePoint], tolerance: float) -> ProfilePoint | None:
@@ -228,6 +253,7 @@ class BuildSummary:
     rho_p: float | None = None
     rho_n: float = 0.5
     profile: list[dict] = field(default_factory=list)
+    half_timing: dict | None = None   # HalfTiming.as_dict() (None: not profiled)
     bytes_per_call: dict = field(default_factory=dict)
     seconds: float = 0.0
 
@@ -239,11 +265,14 @@ def build_repository(policy: Pi05Policy, checkpoint_hash: str, bags: Sequence[Pa
                      call_period: float, cfg: BuildConfig = BuildConfig(), profile_held_out: int = 0,
                      grid: Sequence[tuple[float, float]] = DEFAULT_GRID, tolerance: float = 0.05,
                      retrieval: RetrievalConfig = RetrievalConfig(), adopt_profiled: bool = False,
-                     log: Log = print) -> BuildSummary:
+                     half_repeats: int = 3, log: Log = print) -> BuildSummary:
     """Record every successful episode, optionally profile the ratios, write the repository.
 
     With ``adopt_profiled`` the masks are stored at the profiled rho_n (and the profiled rho_p is
     reported for the runtime); otherwise the configured rho_n is kept and the curve is a report.
+    Profiling also times each half against dense (``half_repeats`` repeats) at the rho_p it
+    suggests (the engine default when none qualifies) and the stored rho_n, and records it in the
+    repository: what ``cache.context_cache: auto`` / ``action_cache: auto`` decide from.
     """
     t0 = time.perf_counter()
     model = policy.engine.model
@@ -268,6 +297,7 @@ def build_repository(policy: Pi05Policy, checkpoint_hash: str, bags: Sequence[Pa
         raise ValueError("no successful episode to build a repository from")
 
     summary = BuildSummary(str(out), len(recorded), sum(len(v) for v in recorded.values()), skipped, rho_n=cfg.rho_n)
+    timing: HalfTiming | None = None
     if profile_held_out > 0:
         held = _held_out(recorded, task_of, profile_held_out)
         if not held:
@@ -275,8 +305,8 @@ def build_repository(policy: Pi05Policy, checkpoint_hash: str, bags: Sequence[Pa
         else:
             refs = {e: v for e, v in recorded.items() if e not in held}
             log(f"profiling rho_p/rho_n on {len(held)} held-out episode(s) against {len(refs)} ...")
-            points = profile_ratios(model, refs, {e: recorded[e] for e in held}, task_of, grid, cfg.groups,
-                                    retrieval, log)
+            points, matched = profile_ratios(model, refs, {e: recorded[e] for e in held}, task_of, grid,
+                                             cfg.groups, retrieval, log)
             summary.profile = [asdict(p) for p in points]
             best = choose_ratios(points, tolerance)
             if best is not None:
@@ -288,9 +318,19 @@ def build_repository(policy: Pi05Policy, checkpoint_hash: str, bags: Sequence[Pa
                 log(f"{p.rho_p:5.2f}  {p.rho_n:5.2f}  {p.hits:4d}  {p.mean_deviation:8.4f}  {p.worst_deviation:9.4f}  "
                     f"{p.flops_fraction:5.2f}  {p.median_speedup:7.2f} ({p.median_prefill_speedup:.2f}, "
                     f"{p.median_denoise_speedup:.2f})")
+            if matched:
+                rho_p = summary.rho_p if summary.rho_p is not None else CacheConfig.rho_p
+                log(f"timing each half against dense at rho_p {rho_p:g}, rho_n {summary.rho_n:g} "
+                    f"({len(matched)} call(s) x {half_repeats}) ...")
+                timing = time_profiled_halves(model, matched, rho_p, summary.rho_n, cfg.groups, half_repeats, log)
+                summary.half_timing = timing.as_dict()
+                log(f"halves: {timing.describe()}")
+            else:
+                log("halves not timed: retrieval matched no held-out call")
     meta = RepositoryMeta(checkpoint_hash=checkpoint_hash, model=model_summary(model.cfg),
                           retrieval_layer=model.cfg.retrieval_layer, rho_n=summary.rho_n,
-                          mask_groups=[list(g) for g in cfg.groups], history_len=cfg.history_len)
+                          mask_groups=[list(g) for g in cfg.groups], history_len=cfg.history_len,
+                          half_timing=timing)
     repo = ReferenceRepository.create(out, meta)
     for eid, calls in recorded.items():
         repo.add_episode(eid, task_of[eid], with_masks(calls, cfg.groups, summary.rho_n), source=source[eid])

@@ -45,6 +45,7 @@ from safetensors import safe_open
 from torch import Tensor
 
 from ..io.files import fsync_dir
+from .halves import HalfTiming
 
 FORMAT_NAME = "vla_runtime.reference_repository"
 FORMAT_VERSION = 1
@@ -164,6 +165,9 @@ class RepositoryMeta:
     mask_groups: list[list[int]]
     history_len: int
     format_version: int = FORMAT_VERSION
+    # each half of the cache timed against dense by ``build-cache --profile`` (None: not measured;
+    # repositories written before the field existed read as None)
+    half_timing: HalfTiming | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.mask_groups, (list, tuple)):
@@ -200,6 +204,8 @@ def _check_meta(m: RepositoryMeta, where: str) -> None:
                 or g[0] != prev_end or g[1] <= g[0]):
             raise bad("mask_groups", "contiguous [start, end) step ranges starting at 0, e.g. [[0, 5], [5, 10]]")
         prev_end = g[1]
+    if m.half_timing is not None and not isinstance(m.half_timing, HalfTiming):
+        raise bad("half_timing", "None or a HalfTiming")
 
 
 def _is_int(x: object) -> bool:
@@ -298,7 +304,7 @@ class ReferenceRepository:
             checkpoint_hash=index["checkpoint_hash"], model=index["model"],
             retrieval_layer=index["retrieval_layer"], rho_n=index["rho_n"],
             mask_groups=index["mask_groups"], history_len=index["history_len"],
-            format_version=index["format_version"])
+            format_version=index["format_version"], half_timing=_half_timing(index, root / INDEX_FILE))
         self._episodes: dict[str, EpisodeRecord] = {
             eid: EpisodeRecord(episode_id=eid, **rec) for eid, rec in index["episodes"].items()}
 
@@ -321,6 +327,7 @@ class ReferenceRepository:
             "rho_n": float(meta.rho_n),
             "mask_groups": [list(g) for g in meta.mask_groups],
             "history_len": meta.history_len,
+            "half_timing": None if meta.half_timing is None else meta.half_timing.as_dict(),
             "created": now,
             "updated": now,
             "call_layout": None,
@@ -361,6 +368,15 @@ class ReferenceRepository:
         for rec in repo._episodes.values():
             repo._check_episode_file(rec, verify=verify)
         return repo
+
+    def record_half_timing(self, timing: HalfTiming) -> None:
+        """Record (or replace) the halves' timing on this machine: what ``auto`` decides from."""
+        if not isinstance(timing, HalfTiming):
+            raise RepositoryError(f"{self.root}: half_timing must be a HalfTiming, got {type(timing).__name__}")
+        self._index["half_timing"] = timing.as_dict()
+        self._index["updated"] = _now()
+        self.meta.half_timing = timing
+        self._write_index()
 
     # ---------------------------------------------------------------- queries
 
@@ -649,7 +665,7 @@ def _check_index(index: object, path: Path) -> None:
         RepositoryMeta(checkpoint_hash=index["checkpoint_hash"], model=index["model"],
                        retrieval_layer=index["retrieval_layer"], rho_n=index["rho_n"],
                        mask_groups=index["mask_groups"], history_len=index["history_len"],
-                       format_version=index["format_version"])
+                       format_version=index["format_version"], half_timing=_half_timing(index, path))
     except RepositoryError as e:
         raise RepositoryError(f"{path}: {str(e).removeprefix('RepositoryMeta: ')}") from None
     layout = index["call_layout"]
@@ -700,6 +716,17 @@ def _check_index(index: object, path: Path) -> None:
             raise RepositoryError(f"{path}: tasks[{task!r}] lists {eid!r}, which is not an episode of that task")
     if len(listed) != len(episodes):
         raise RepositoryError(f"{path}: field 'tasks' lists some episodes more than once")
+
+
+def _half_timing(index: dict, path: object) -> HalfTiming | None:
+    """The recorded half timing, or None where the index has none (older repositories)."""
+    raw = index.get("half_timing")
+    if raw is None:
+        return None
+    try:
+        return HalfTiming.from_dict(raw, where="field 'half_timing'")
+    except ValueError as e:
+        raise RepositoryError(f"{path}: {e}") from None
 
 
 def _dict_diff(have: object, want: object, prefix: str = "") -> list[str]:

@@ -28,6 +28,12 @@ class CacheConfig:
     groups: Groups = DEFAULT_GROUPS       # denoising step groups; each group's first step is a dense anchor
     context_cache: bool = True
     action_cache: bool = True
+    reason: str = ""                      # why these halves run (the profile's auto/on/off, resolved at start-up)
+
+    @property
+    def dense(self) -> bool:
+        """Neither half runs: a call computes densely whatever reference it is handed."""
+        return not (self.context_cache or self.action_cache)
 
     def validate(self, num_steps: int) -> "CacheConfig":
         if not 0.0 < self.rho_p <= 1.0 or not 0.0 < self.rho_n <= 1.0:

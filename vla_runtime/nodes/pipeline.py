@@ -98,7 +98,8 @@ class LocalPipeline:
         cc = cache_config(spec.cache, open_repository_meta(spec.cache, policy))
         self.vision = VisionStage(policy, spec.rings, spec.ring_slots, spec.cache, spec.arm_slices)
         try:
-            self.cache = CacheStage(policy, spec.cache, spec.rings, spec.arm_slices) if cc is not None else None
+            self.cache = CacheStage(policy, spec.cache, spec.rings, spec.arm_slices) \
+                if cc is not None and not cc.dense else None
             self.policy = PolicyStage(policy, spec.rings, cc, spec.seed)
         except BaseException:
             self.vision.close()

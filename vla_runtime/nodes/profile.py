@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from ..cache.halves import HALVES, parse_setting
 from ..engine.safety import JointLimits
 from ..engine.stitching import StitchConfig
 from ..models.config import PRESETS
@@ -80,12 +81,20 @@ class CacheSpec:
     lookahead: int = 4       # L
     memory_budget_mb: int = 4096
     background_nice: int = 10    # the cache manager's process runs this much nicer: rebuilds yield to calls
-    context_cache: bool = True   # reuse the reference's VLM FFN outputs in the prefill (rMuscle Context Cache)
-    action_cache: bool = True    # compute the reference's neuron masks only between anchor steps (Action Cache)
+    # each half of the cache: auto (run it where build-cache --profile measured it faster than dense
+    # on this machine; unmeasured: run it), on, off (true/false of older profiles read as on/off);
+    # resolved at start-up by cache.halves.resolve_halves
+    context_cache: str = "auto"   # reuse the reference's VLM FFN outputs in the prefill (Context Cache)
+    action_cache: str = "auto"    # the reference's neuron masks between anchor steps (Action Cache)
     min_similarity: float = 0.8  # an episode whose best reference is less similar (cosine of ViT features) runs dense
     first_scene_floor: bool = False   # also run dense an episode whose first scene is less like the repository
     #                                   than any reference's first scene is to the others (retrieval.first_call_floors)
     max_end_matches: int = 3     # an episode matching references' last calls more often runs dense (0: no limit)
+
+    def __post_init__(self) -> None:
+        # one spelling from here on ("auto" | "on" | "off"); anything else is refused naming the key
+        for key in HALVES:
+            object.__setattr__(self, key, parse_setting(getattr(self, key), f"cache.{key}"))
 
 
 @dataclass(frozen=True)
@@ -185,10 +194,7 @@ class RobotProfile:
             raise bad("cache.first_scene_floor", f"must be true or false, got {c.first_scene_floor!r}")
         if isinstance(c.max_end_matches, bool) or not isinstance(c.max_end_matches, int) or c.max_end_matches < 0:
             raise bad("cache.max_end_matches", f"must be an integer >= 0 (0: no limit), got {c.max_end_matches!r}")
-        if not (isinstance(c.context_cache, bool) and isinstance(c.action_cache, bool)):
-            raise bad("cache", f"context_cache and action_cache must be true or false, got "
-                               f"{c.context_cache!r}, {c.action_cache!r}")
-        if c.enabled and not (c.context_cache or c.action_cache):
+        if c.enabled and c.context_cache == c.action_cache == "off":
             raise bad("cache", "enabled with both context_cache and action_cache off: set enabled: false instead")
         e = self.engine
         if e.preset is not None and e.preset not in PRESETS:

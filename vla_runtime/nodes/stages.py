@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from ..cache.builder import model_summary
+from ..cache.halves import resolve_halves
 from ..cache.manager import CacheManager, ManagerConfig
 from ..cache.repository import ReferenceRepository, RepositoryError
 from ..cache.retrieval import RetrievalConfig, fallback_rule, first_call_floors
@@ -113,11 +114,15 @@ def open_repository_meta(spec: CacheSpec, policy: Pi05Policy) -> ReferenceReposi
 
 def cache_config(spec: CacheSpec, repo: ReferenceRepository | None) -> CacheConfig | None:
     """The engine-side cache parameters: rho_p from the profile, rho_n and the step groups from the
-    repository (its masks were built for them)."""
+    repository (its masks were built for them), and which halves run: the profile's auto/on/off
+    against the repository's recorded half timing (``resolve_halves``), logged here, at each
+    stage's start-up, and kept as ``CacheConfig.reason`` for diagnostics."""
     if repo is None:
         return None
+    halves = resolve_halves(spec.context_cache, spec.action_cache, repo.meta.half_timing, spec.rho_p)
+    log.warning("muscle-memory cache: %s", halves.reason)   # once per stage start-up, seen at the default level
     return CacheConfig(rho_p=spec.rho_p, rho_n=repo.meta.rho_n, groups=tuple(tuple(g) for g in repo.meta.mask_groups),
-                       context_cache=spec.context_cache, action_cache=spec.action_cache)
+                       context_cache=halves.context_cache, action_cache=halves.action_cache, reason=halves.reason)
 
 
 def manager_config(spec: CacheSpec, repo: ReferenceRepository, arm_slices: tuple[tuple[int, int], ...] = ()) -> ManagerConfig:
@@ -194,8 +199,9 @@ class VisionStage:
         cc = cache_config(cache, repo)
         self.worker = VisionWorker(policy, cc)
         self.rings = rings
+        self.cache_reason = "cache off" if cc is None else cc.reason   # which halves run and why (diagnostics)
         self.selector: WindowSelector | None = None
-        if cc is not None and repo is not None:
+        if cc is not None and not cc.dense and repo is not None:
             try:
                 self.selector = WindowSelector(repo, manager_config(cache, repo, arm_slices).retrieval,
                                                rings.working_set)
@@ -276,6 +282,9 @@ class CacheStage:
             log.warning("muscle-memory cache disabled, running dense: %s", e)
             return
         cc = cache_config(spec, repo)
+        if cc.dense:   # neither half runs (auto found both slower here): no window to keep
+            self.disabled_reason = cc.reason
+            return
         mcfg = manager_config(spec, repo, arm_slices)
         layout = repo.call_layout or {}
         slots = mcfg.window.capacity + max((len(repo.episodes(t)) for t in repo.tasks()), default=0)

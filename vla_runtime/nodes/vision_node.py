@@ -146,6 +146,7 @@ class VisionNode(Node):
                    "reference": "" if choice is None or not choice.found else f"{choice.episode}:{choice.index}",
                    "context_cache": str(self.stage.worker.last_context is not None),
                    "dense_reason": "" if choice is None else choice.reason}
+        values["cache_halves"] = self.stage.cache_reason
         if self.stage.selector is not None:
             values |= self.stage.selector.diagnostics()
         warn = ("camera(s) stale, calls refused: " + "; ".join(self.stale) if self.stale else

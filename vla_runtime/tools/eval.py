@@ -33,8 +33,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+import torch
 
 from ..cache.builder import BuildConfig, build_repository
+from ..cache.half_profile import time_repository_halves
+from ..cache.halves import resolve_halves
 from ..cache.repository import ReferenceRepository
 from ..cache.retrieval import fallback_rule, first_call_floors
 from ..engine.policy import Pi05Policy
@@ -180,7 +183,9 @@ def run_episode(env: MetaWorldTask, pipeline, seed: int, n_execute: int, record:
 def _pipeline(spec: EvalSpec, mode: str, repository: Path | None, tag: str, rho_p: float = DEFAULT_RHO_P):
     cache = CacheSpec(enabled=mode == "cached", repository=str(repository) if repository else None,
                       rho_p=rho_p,
-                      context_cache="context" in spec.caches, action_cache="action" in spec.caches,
+                      # forced, never auto: the success comparison is about the halves asked for
+                      context_cache="on" if "context" in spec.caches else "off",
+                      action_cache="on" if "action" in spec.caches else "off",
                       min_similarity=spec.min_similarity, first_scene_floor=spec.first_scene_floor,
                       max_end_matches=spec.max_end_matches)
     rings = RingNames.tagged(tag)
@@ -258,6 +263,40 @@ def build_reference_repository(spec: EvalSpec, log: Callable[[str], None]) -> tu
                   "rho_p": rho_p, "rho_n": summary.rho_n, "profile": summary.profile, "ratios_from": source}
 
 
+def auto_choice(spec: EvalSpec, repository: Path, rho_p: float, built: bool,
+                log: Callable[[str], None]) -> dict[str, Any]:
+    """What ``cache.context_cache: auto`` / ``action_cache: auto`` would run on this machine with
+    this repository (the cached mode itself forces the halves ``spec.caches`` names).
+
+    The decision reads the half timing the repository records (``build-cache --profile``, which
+    the repository built here went through when it was profiled). When it records none, the
+    halves are timed here the same way (``time_halves``) on the repository's own calls, and
+    recorded in it when it was built here (a repository given with ``--repository`` is only read).
+    """
+    repo = ReferenceRepository.open(repository, verify=False)
+    timing, source = repo.meta.half_timing, "recorded by build-cache --profile"
+    if timing is None:
+        log("the repository records no half timing: timing each half against dense on its calls ...")
+        policy = Pi05Policy.from_checkpoint(spec.checkpoint, camera_names=list(spec.cameras))
+        timing = time_repository_halves(policy.engine.model, repo, rho_p, record=built, log=log)
+        source = "timed by eval on the repository's calls" + (" (now recorded in it)" if built else "")
+    halves = resolve_halves("auto", "auto", timing, rho_p)
+    log(f"auto would run: {halves.reason}")
+    return {"context_cache": halves.context_cache, "action_cache": halves.action_cache, "reason": halves.reason,
+            "half_timing": timing.as_dict(), "timing_source": source}
+
+
+@contextlib.contextmanager
+def _torch_threads(n: int | None):
+    """torch's intra-op threads set to ``n`` (None: left as they are) for the block, then restored."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n or before)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _mean(xs: list[float]) -> float | None:
     return statistics.fmean(xs) if xs else None
 
@@ -295,7 +334,11 @@ def evaluate(spec: EvalSpec, log: Callable[[str], None] = print) -> dict[str, An
                               "modes": {}}
     repository = None
     if "cached" in spec.modes:
-        repository, report["repository"] = build_reference_repository(spec, log)
+        # built and timed at the pipeline's thread count, so the halves' timing is the pipeline's
+        with _torch_threads(spec.engine.threads):
+            repository, report["repository"] = build_reference_repository(spec, log)
+            report["auto"] = auto_choice(spec, repository, report["repository"]["rho_p"],
+                                         report["repository"]["built"], log)
         if spec.first_scene_floor:
             report["repository"]["first_call_floors"] = first_call_floors(ReferenceRepository.open(repository))
     per_episode: dict[str, list[EpisodeResult]] = {m: [] for m in spec.modes}
@@ -468,6 +511,10 @@ def table(report: dict[str, Any]) -> str:
     if "cached" in modes:
         if "rho_p" in repo:
             text += f"\nratios of the cached mode: rho_p {repo['rho_p']:g}, rho_n {repo['rho_n']:g} ({repo['ratios_from']})\n"
+        if (auto := report.get("auto")) is not None:
+            text += (f"\nthe cached mode forces the halves it runs ({', '.join(report.get('caches', []))}); with "
+                     f"`auto` on this machine the runtime would run: {_auto_line(auto)} "
+                     f"(timing {auto['timing_source']})\n")
         rule = fallback_rule(report.get("min_similarity", 0.8), repo.get("first_call_floors"),
                              report.get("max_end_matches", 0))
         text += f"\nfallback to dense for the rest of an episode: {rule}\n"
@@ -486,6 +533,12 @@ def table(report: dict[str, Any]) -> str:
         text += (f"\nno reference episode succeeded for {', '.join(missing)}: the repository has nothing for "
                  f"{'it' if one else 'them'}, so {'its' if one else 'their'} cached episodes ran dense (fallback)\n")
     return text
+
+
+def _auto_line(auto: dict[str, Any]) -> str:
+    on = [h for h in ("context_cache", "action_cache") if auto[h]]
+    picked = " and ".join(h.replace("_", " ") for h in on) if on else "neither half (dense)"
+    return f"{picked}; {auto['reason']}"
 
 
 def paired_table(tasks: list[str], pr: dict[str, Any], other: str) -> str:

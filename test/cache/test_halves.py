@@ -1,0 +1,78 @@
+"""Which halves of the cache run: the profile's auto/on/off against the recorded half timing."""
+
+from __future__ import annotations
+
+import pytest
+
+from vla_runtime.cache.halves import HalfTiming, PhaseTiming, parse_setting, resolve_halves
+
+
+def timing(context_speedup: float, action_speedup: float, rho_p: float = 0.4) -> HalfTiming:
+    """A recorded timing whose halves ran at the given speed-ups (dense 10 ms per phase)."""
+    return HalfTiming(PhaseTiming(0.010, 0.010 / context_speedup, 6), PhaseTiming(0.010, 0.010 / action_speedup, 6),
+                      device="cpu", threads=1, dtype="float32", rho_p=rho_p, rho_n=0.5, calls=2, repeats=3)
+
+
+@pytest.mark.parametrize("value, want", [("auto", "auto"), ("on", "on"), ("off", "off"), (" ON ", "on"),
+                                         ("Auto", "auto"), (True, "on"), (False, "off")])
+def test_settings_parse(value, want):
+    assert parse_setting(value, "cache.context_cache") == want
+
+
+@pytest.mark.parametrize("value", ["yes", "true", "", None, 1, 0, 1.0, ["on"]])
+def test_anything_else_is_refused_with_the_key_named(value):
+    with pytest.raises(ValueError, match=r"^cache.action_cache: must be auto, on or off"):
+        parse_setting(value, "cache.action_cache")
+
+
+def test_auto_runs_a_half_only_where_it_was_measured_faster():
+    r = resolve_halves("auto", "auto", timing(context_speedup=0.8, action_speedup=1.3))
+    assert (r.context_cache, r.action_cache, r.dense) == (False, True, False)
+    assert "context cache off (auto: prefill measured 0.80x of dense, not faster)" in r.reason
+    assert "action cache on (auto: denoise measured 1.30x faster)" in r.reason
+    assert "measured on cpu, 1 thread(s), float32" in r.reason
+    r = resolve_halves("auto", "auto", timing(context_speedup=1.5, action_speedup=0.9))
+    assert (r.context_cache, r.action_cache) == (True, False)
+    # exactly as fast as dense does not pay: the gathers cost memory for nothing
+    assert resolve_halves("auto", "auto", timing(1.0, 1.0)).dense
+
+
+def test_on_and_off_force_a_half_whatever_was_measured():
+    slow = timing(context_speedup=0.5, action_speedup=0.5)
+    r = resolve_halves("on", "on", slow)
+    assert (r.context_cache, r.action_cache) == (True, True)
+    assert r.reason == "context cache on (forced by the profile); action cache on (forced by the profile)"
+    r = resolve_halves("off", "auto", timing(context_speedup=2.0, action_speedup=2.0))
+    assert (r.context_cache, r.action_cache) == (False, True)
+
+
+def test_both_off_says_the_cache_is_effectively_dense():
+    r = resolve_halves("auto", "auto", timing(context_speedup=0.7, action_speedup=0.9))
+    assert r.dense and r.reason.startswith("both halves off, the cache is effectively dense: ")
+    assert resolve_halves("off", "auto", timing(2.0, 0.5)).dense
+
+
+def test_auto_without_a_recorded_timing_runs_the_half_and_says_it_is_unmeasured():
+    r = resolve_halves("auto", "off", None)
+    assert (r.context_cache, r.action_cache) == (True, False)
+    assert "context cache on (auto, unmeasured" in r.reason and "build-cache --profile" in r.reason
+
+
+def test_another_rho_p_than_the_timed_one_is_named():
+    r = resolve_halves("auto", "auto", timing(1.2, 1.2, rho_p=0.4), rho_p=0.6)
+    assert "the profile runs rho_p 0.6, the Context Cache was timed at 0.4" in r.reason
+    assert "the profile runs" not in resolve_halves("auto", "auto", timing(1.2, 1.2, rho_p=0.4), rho_p=0.4).reason
+
+
+def test_timing_round_trips_and_a_bad_field_is_named():
+    t = timing(0.8, 1.3)
+    d = t.as_dict()
+    assert d["context_cache"]["speedup"] == pytest.approx(0.8) and d["action_cache"]["speedup"] == pytest.approx(1.3)
+    assert HalfTiming.from_dict(d) == t
+    d["action_cache"]["cached_s"] = -1.0
+    with pytest.raises(ValueError, match=r"half_timing.action_cache.cached_s: must be a positive number"):
+        HalfTiming.from_dict(d)
+    with pytest.raises(ValueError, match=r"half_timing.device: must be a non-empty string"):
+        HalfTiming.from_dict({**t.as_dict(), "device": ""})
+    with pytest.raises(ValueError, match=r"half_timing.context_cache: must be an object"):
+        HalfTiming.from_dict({**t.as_dict(), "context_cache": 3})

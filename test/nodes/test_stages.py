@@ -1,0 +1,77 @@
+"""The stages' cache configuration: the profile's auto/on/off for each half against the timing the
+repository records, as the pipeline then runs it (a half profiled slower than dense is skipped
+under ``auto`` and runs under ``on``)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from vla_runtime.cache.halves import HalfTiming, PhaseTiming
+from vla_runtime.cache.repository import ReferenceRepository
+from vla_runtime.nodes.pipeline import LocalPipeline, PipelineSpec
+from vla_runtime.nodes.profile import CacheSpec
+from vla_runtime.nodes.stages import RingNames, cache_config
+
+CAMS = ("top", "wrist")
+
+
+def _timed_repository(demo: dict, root: Path, context_speedup: float, action_speedup: float) -> Path:
+    """A copy of the demo repository recording that each half ran at the given speed-up."""
+    out = root / f"repo_{context_speedup}_{action_speedup}"
+    shutil.copytree(demo["repo"], out)
+    ReferenceRepository.open(out).record_half_timing(HalfTiming(
+        PhaseTiming(0.010, 0.010 / context_speedup, 4), PhaseTiming(0.020, 0.020 / action_speedup, 4),
+        device="cpu", threads=1, dtype="float32", rho_p=0.4, rho_n=0.5, calls=2, repeats=2))
+    return out
+
+
+def _calls(demo: dict, repo: Path, tag: str, **halves: str) -> list:
+    cache = CacheSpec(enabled=True, repository=str(repo), **halves)
+    rings = RingNames(f"t{os.getpid()}_{tag}_p", f"t{os.getpid()}_{tag}_w")
+    with LocalPipeline(PipelineSpec(Path(demo["checkpoint"]), CAMS, cache, rings=rings, seed=3,
+                                    time_available_s=10.0)) as pipeline:
+        pipeline.start_episode(demo["episode"].task)   # the window up before the first call, as on a robot
+        return [pipeline.call(f.images, np.asarray(f.state), demo["episode"].task) for f in demo["episode"].frames]
+
+
+def _served(results: list) -> tuple[set[bool], set[bool]]:
+    """Over the calls a reference served: did the prefill reuse it, did the denoising use its masks."""
+    with_ref = [r for r in results if r.cached]
+    assert with_ref, "no call was served by a reference"
+    return {bool(r.meta.context_cache) for r in with_ref}, {r.used_reference for r in with_ref}
+
+
+@pytest.mark.parametrize("slow", ["context_cache", "action_cache"])
+def test_a_half_profiled_slower_than_dense_is_skipped_under_auto_and_runs_under_on(demo, tmp_path, slow):
+    repo = _timed_repository(demo, tmp_path, context_speedup=0.7 if slow == "context_cache" else 1.4,
+                             action_speedup=0.7 if slow == "action_cache" else 1.4)
+    context, action = _served(_calls(demo, repo, f"auto{slow}"))
+    # auto: the slower half never served a call, the faster one served every call that had a reference
+    assert context == {slow != "context_cache"} and action == {slow != "action_cache"}
+    context, action = _served(_calls(demo, repo, f"on{slow}", **{slow: "on"}))
+    assert context == {True} and action == {True}
+
+
+def test_both_halves_slower_than_dense_leave_the_cache_effectively_dense(demo, tmp_path, caplog):
+    repo = _timed_repository(demo, tmp_path, context_speedup=0.8, action_speedup=0.9)
+    with caplog.at_level(logging.WARNING, logger="vla_runtime.nodes.stages"):
+        cc = cache_config(CacheSpec(enabled=True, repository=str(repo)), ReferenceRepository.open(repo))
+    assert cc.dense and "effectively dense" in cc.reason
+    assert [r.message for r in caplog.records if "effectively dense" in r.message] == [f"muscle-memory cache: {cc.reason}"]
+    results = _calls(demo, repo, "bothslow")
+    assert not any(r.cached for r in results)
+
+
+def test_without_a_recorded_timing_auto_runs_both_halves_and_says_so(demo):
+    repo = ReferenceRepository.open(demo["repo"])
+    assert repo.meta.half_timing is None
+    cc = cache_config(CacheSpec(enabled=True, repository=str(demo["repo"])), repo)
+    assert (cc.context_cache, cc.action_cache) == (True, True) and "unmeasured" in cc.reason
+    forced = cache_config(CacheSpec(enabled=True, repository=str(demo["repo"]), context_cache=False), repo)
+    assert (forced.context_cache, forced.action_cache) == (False, True)
