@@ -301,6 +301,41 @@ def test_a_restarted_writer_supersedes_the_mapping_readers_hold(name):
         old.superseded()
 
 
+def test_a_dead_writers_payloads_stay_readable_until_the_name_names_another_segment(name):
+    """``replaced`` (the working set's test): a dead writer alone does not count, its committed
+    payloads are still exactly what they were; a new segment under the name, or none, does."""
+    first = RingBuffer.create(name, LAYOUT, slots=2)
+    old = RingBuffer.attach(name, LAYOUT)
+    _write(first, 1)
+    first._w[C.W_PID] = _dead_pid()                 # the writer crashed
+    assert old.superseded() and not old.replaced()
+    first._w[C.W_PID] = os.getpid()
+    first.close()                                   # the name names nothing now
+    assert old.replaced()
+    with RingBuffer.create(name, LAYOUT, slots=2):
+        assert old.replaced()                       # another segment under the name
+    old.close()
+
+
+def test_a_pinned_payload_is_read_in_place_and_its_pin_fails_once_the_slot_is_written(name):
+    """``pin``: zero-copy views of one committed payload; ``valid()`` after use says whether they
+    held it throughout; a cleared slot (``clear_slot``) pins as empty."""
+    with RingBuffer.create(name, LAYOUT, slots=2) as writer, RingBuffer.attach(name, LAYOUT) as reader:
+        slot, seq = _write(writer, 3, meta={"k": 1})
+        assert reader.slot_seq(slot) == seq and reader.slot_seq(1 - slot) == -1
+        pin = reader.pin(slot, seq)
+        assert pin is not None and pin.meta == {"k": 1} and pin.seq == seq
+        assert payload_matches({k: v.clone() for k, v in pin.views.items()}, 3) and pin.valid()
+        assert pin.views["kv"].data_ptr() == reader.pin(slot).views["kv"].data_ptr()   # in place, no copy
+        assert reader.pin(slot, seq + 1) is None                      # another sequence
+        w = writer.begin_write(slot)                                  # a write begins under the pin ...
+        assert not pin.valid() and reader.pin(slot) is None and reader.slot_seq(slot) == -1
+        w.commit()                                                    # ... and ends: still not the pinned one
+        assert not pin.valid() and reader.pin(slot, seq) is None
+        writer.clear_slot(slot)
+        assert reader.pin(slot) is None and reader.slot_seq(slot) == -1
+
+
 def test_heartbeat_and_stale_writer_detection(name):
     with RingBuffer.create(name, LAYOUT, slots=2) as writer, RingBuffer.attach(name, LAYOUT) as reader:
         assert reader.writer_alive(60.0) and reader.writer_pid == os.getpid()

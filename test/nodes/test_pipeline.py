@@ -302,3 +302,29 @@ def test_two_cameras_on_a_three_camera_model_through_build_cache_selection_and_p
             results.append(res)
     assert sum(bool(r.meta.context_cache) and r.used_reference for r in results) >= len(results) - 1
     assert all(r.meta.cameras == 2 for r in results)
+
+
+def test_a_reference_rewritten_during_the_prefill_is_not_used(demo, oracle, monkeypatch):
+    """The chosen entry is read in place; if the cache manager rewrites its slot while the prefill
+    reads it (the pin turns invalid), that prefill is void and the call is run again dense."""
+    from types import SimpleNamespace
+
+    from vla_runtime.nodes import selection
+
+    episode = demo["episode"]
+    real = selection.WindowSelector.choose
+
+    def torn(self, *a, **kw):
+        choice = real(self, *a, **kw)
+        if choice.pin is not None:   # what a pin reports once its slot was written after it was taken
+            choice.pin = SimpleNamespace(valid=lambda: False)
+        return choice
+
+    with LocalPipeline(_spec(demo, "torn")) as pipeline:
+        pipeline.start_episode(episode.task)
+        monkeypatch.setattr(selection.WindowSelector, "choose", torn)
+        frame = episode.frames[0]
+        res = pipeline.call(frame.images, np.asarray(frame.state), episode.task)
+        assert not res.cached and pipeline.vision.selector.torn == 1
+        assert pipeline.last_choice.reason == "reference rewritten during the prefill"
+        oracle.check(res, pipeline.last_choice, frame, episode.task)       # exactly the dense chunk
