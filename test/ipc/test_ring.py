@@ -323,6 +323,7 @@ def test_a_pinned_payload_is_read_in_place_and_its_pin_fails_once_the_slot_is_wr
     with RingBuffer.create(name, LAYOUT, slots=2) as writer, RingBuffer.attach(name, LAYOUT) as reader:
         slot, seq = _write(writer, 3, meta={"k": 1})
         assert reader.slot_seq(slot) == seq and reader.slot_seq(1 - slot) == -1
+        assert reader.slot_seqs()[[slot, 1 - slot]].tolist() == [seq, -1]
         pin = reader.pin(slot, seq)
         assert pin is not None and pin.meta == {"k": 1} and pin.seq == seq
         assert payload_matches({k: v.clone() for k, v in pin.views.items()}, 3) and pin.valid()
@@ -330,6 +331,7 @@ def test_a_pinned_payload_is_read_in_place_and_its_pin_fails_once_the_slot_is_wr
         assert reader.pin(slot, seq + 1) is None                      # another sequence
         w = writer.begin_write(slot)                                  # a write begins under the pin ...
         assert not pin.valid() and reader.pin(slot) is None and reader.slot_seq(slot) == -1
+        assert reader.slot_seqs()[slot] == -1                         # being written
         w.commit()                                                    # ... and ends: still not the pinned one
         assert not pin.valid() and reader.pin(slot, seq) is None
         writer.clear_slot(slot)

@@ -629,6 +629,14 @@ class RingBuffer:
             return -1
         return int(w[self._hword(slot, C.H_SEQ)])
 
+    def slot_seqs(self) -> np.ndarray:
+        """``slot_seq`` of every slot at once (one vectorised read of the headers)."""
+        self._check_open()
+        step = C.SLOT_HEADER // 8
+        locks = self._w[self._hw + C.H_SEQLOCK: self._hw + self.slots * step: step]
+        seqs = self._w[self._hw + C.H_SEQ: self._hw + self.slots * step: step].astype(np.int64)
+        return np.where(locks & 1, -1, seqs)
+
     def pin(self, slot: int, seq: int | None = None) -> PinnedSlot | None:
         """The payload in ``slot`` (sequence ``seq``; None: whatever committed payload is there) as
         zero-copy views, or None when the slot is empty, being written or holds another sequence.

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, MutableMapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -208,10 +209,9 @@ class WindowMirror:
     def refresh(self) -> int:
         """Bring the local matrix in step with the working set; returns the entries copied in."""
         copied = 0
-        for slot in range(self.ring.slots):
-            seq = self.ring.slot_seq(slot)
-            if seq == self._seen[slot]:
-                continue
+        seqs = self.ring.slot_seqs()
+        for slot in np.flatnonzero(seqs != np.asarray(self._seen)).tolist():
+            seq = int(seqs[slot])
             self._forget(slot)
             if seq < 0:
                 self._seen[slot] = seq

@@ -515,6 +515,11 @@ def table(report: dict[str, Any]) -> str:
             text += (f"\nthe cached mode forces the halves it runs ({', '.join(report.get('caches', []))}); with "
                      f"`auto` on this machine the runtime would run: {_auto_line(auto)} "
                      f"(timing {auto['timing_source']})\n")
+        text += ("\nwhy the cache gains little at a small policy's size: it saves FFN work (the VLM FFNs of the "
+                 "visual tokens it reuses, the expert FFN neurons outside the reference's masks), and in a policy "
+                 "of a few million parameters the FFNs are a small share of a call while selection, drift and "
+                 "gathers cost about what they save; the speed-up grows with the width (full-width figures: "
+                 "`bench/pipeline_cache.py` on `pi05-d2` and `pi05`, and `test/gpu/run_gpu_checks.sh` on a GPU)\n")
         rule = fallback_rule(report.get("min_similarity", 0.8), repo.get("first_call_floors"),
                              report.get("max_end_matches", 0))
         text += f"\nfallback to dense for the rest of an episode: {rule}\n"
