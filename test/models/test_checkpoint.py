@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import struct
 from pathlib import Path
 
 import pytest
@@ -16,15 +15,14 @@ from vla_runtime.models.checkpoint import (
     checkpoint_files,
     content_hash,
     infer_config,
-    layout_groups,
     load_checkpoint,
     read_tensor_index,
     save_checkpoint,
-    unused_keys,
     validate,
 )
 from vla_runtime.models.config import preset
 from vla_runtime.models.pi05 import Pi05Model, init_random_
+from vla_runtime.testing.checkpoints import header_only_checkpoint, lerobot_features, public_shapes
 
 WEIGHTS = "model.safetensors"
 Q_KEY = "model.paligemma_with_expert.paligemma.model.language_model.layers.0.self_attn.q_proj.weight"
@@ -169,50 +167,20 @@ def test_sharded_checkpoint(tmp_path: Path, ckpt: Path, tiny_model: Pi05Model):
         load_checkpoint(out)
 
 
-def _header_only_checkpoint(path: Path, shapes: dict[str, tuple[int, ...]]) -> None:
-    """A safetensors file with a real header and a sparse (all-zero, no disk) payload."""
-    header, offset = {}, 0
-    for k, s in shapes.items():
-        n = 4
-        for d in s:
-            n *= d
-        header[k] = {"dtype": "F32", "shape": list(s), "data_offsets": [offset, offset + n]}
-        offset += n
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)
-    with path.open("wb") as f:
-        f.write(struct.pack("<Q", len(raw)) + raw)
-        f.truncate(8 + len(raw) + offset)
-
-
 def test_full_size_layout_matches_lerobot_reference(tmp_path: Path):
     """The full pi05 preset expects exactly LeRobot's 813 tensors and 4,143,404,816 elements
     (shared/reference/pi05_lerobot_layout.txt), and the architecture is read back from a
     LeRobot-style config.json plus the tensor shapes alone."""
     cfg = preset("pi05")
-    shapes = {}
-    for grp in layout_groups(cfg):
-        shapes.update(zip(grp.public, grp.shapes))
-    shapes.update(unused_keys(cfg))
+    shapes = public_shapes(cfg)
     assert len(shapes) == 813
-    total = 0
-    for s in shapes.values():
-        n = 1
-        for d in s:
-            n *= d
-        total += n
-    assert total == 4_143_404_816
+    assert sum(math.prod(s) for s in shapes.values()) == 4_143_404_816
 
-    ckdir = tmp_path / "full"
-    ckdir.mkdir()
-    _header_only_checkpoint(ckdir / WEIGHTS, {"model." + k: s for k, s in shapes.items()})
-    cams = {f"observation.images.{c}": {"type": "VISUAL", "shape": [3, 224, 224]}
-            for c in ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")}
-    (ckdir / "config.json").write_text(json.dumps({
+    meta = lerobot_features(["base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb"], 0) | {
         "type": "pi05", "paligemma_variant": "gemma_2b", "action_expert_variant": "gemma_300m",
         "chunk_size": 50, "max_state_dim": 32, "max_action_dim": 32, "num_inference_steps": 10,
-        "tokenizer_max_length": 200, "input_features": {**cams, "observation.state": {"type": "STATE", "shape": [32]}},
-    }))
+        "tokenizer_max_length": 200}
+    ckdir = header_only_checkpoint(tmp_path / "full", cfg, meta)
     index, layout = read_tensor_index(checkpoint_files(ckdir))
     assert layout == "lerobot"
     inferred = infer_config(ckdir, index)
@@ -221,16 +189,8 @@ def test_full_size_layout_matches_lerobot_reference(tmp_path: Path):
 
 
 def test_reduced_depth_is_read_off_the_tensors(tmp_path: Path):
-    cfg = preset("pi05-d2")
-    shapes = {}
-    for grp in layout_groups(cfg):
-        shapes.update(zip(grp.public, grp.shapes))
-    shapes.update(unused_keys(cfg))
-    ckdir = tmp_path / "d2"
-    ckdir.mkdir()
-    _header_only_checkpoint(ckdir / WEIGHTS, shapes)  # openpi layout: no "model." prefix
-    (ckdir / "config.json").write_text(json.dumps({"input_features": {
-        f"observation.images.c{i}": {"type": "VISUAL", "shape": [3, 224, 224]} for i in range(3)}}))
+    ckdir = header_only_checkpoint(tmp_path / "d2", preset("pi05-d2"), lerobot_features(["c0", "c1", "c2"], 0),
+                                   layout="openpi")  # no "model." prefix
     index, layout = read_tensor_index(checkpoint_files(ckdir))
     assert layout == "openpi"
     got = infer_config(ckdir, index)
@@ -298,39 +258,19 @@ def test_refuses_checkpoint_without_a_text_embedding(ckpt: Path):
         load_checkpoint(ckpt)
 
 
-def _full_width_header_checkpoint(ckdir: Path, cfg, meta: dict) -> None:
-    """pi05 shapes at the preset's depths, sparse payload, LeRobot names, the given config.json."""
-    shapes = {}
-    for grp in layout_groups(cfg):
-        shapes.update(zip(grp.public, grp.shapes))
-    shapes.update(unused_keys(cfg))
-    ckdir.mkdir()
-    _header_only_checkpoint(ckdir / WEIGHTS, {"model." + k: s for k, s in shapes.items()})
-    (ckdir / "config.json").write_text(json.dumps(meta))
-
-
-def _features(real: list[str], empty: int, listed: bool) -> dict:
-    feats = {f"observation.images.{c}": {"type": "VISUAL", "shape": [3, 224, 224]} for c in real}
-    if listed:  # as LeRobot's config validation writes them: empty cameras are input features too
-        feats |= {f"observation.images.empty_camera_{i}": {"type": "VISUAL", "shape": [3, 224, 224]}
-                  for i in range(empty)}
-    return {"input_features": feats | {"observation.state": {"type": "STATE", "shape": [32]}}, "empty_cameras": empty}
-
-
 @pytest.mark.parametrize("listed", [True, False])
 def test_empty_camera_counted_once(tmp_path: Path, listed: bool):
     """2 real + 1 empty camera is 3 slots whether or not config.json also lists the empty one as a
     feature (LeRobot does; counting both gave 4)."""
-    ckdir = tmp_path / "d2"
-    _full_width_header_checkpoint(ckdir, preset("pi05-d2"), _features(["base_0_rgb", "left_wrist_0_rgb"], 1, listed))
+    ckdir = header_only_checkpoint(tmp_path / "d2", preset("pi05-d2"),
+                                   lerobot_features(["base_0_rgb", "left_wrist_0_rgb"], 1, listed))
     index, _ = read_tensor_index(checkpoint_files(ckdir))
     assert infer_config(ckdir, index).num_cameras == 3
 
 
 def test_refuses_listed_empty_camera_beyond_empty_cameras(tmp_path: Path):
-    ckdir = tmp_path / "d2"
-    meta = _features(["base_0_rgb"], 2, listed=True) | {"empty_cameras": 1}
-    _full_width_header_checkpoint(ckdir, preset("pi05-d2"), meta)
+    meta = lerobot_features(["base_0_rgb"], 2, listed=True) | {"empty_cameras": 1}
+    ckdir = header_only_checkpoint(tmp_path / "d2", preset("pi05-d2"), meta)
     index, _ = read_tensor_index(checkpoint_files(ckdir))
     with pytest.raises(CheckpointError, match=r"empty_camera_1.*empty_cameras is 1"):
         infer_config(ckdir, index)
@@ -339,17 +279,15 @@ def test_refuses_listed_empty_camera_beyond_empty_cameras(tmp_path: Path):
 @pytest.mark.parametrize("key, name, width", [("action_expert_variant", "gemma_2b", 1024),
                                               ("paligemma_variant", "gemma_300m", 2048)])
 def test_refuses_variant_that_contradicts_the_tensors(tmp_path: Path, key: str, name: str, width: int):
-    ckdir = tmp_path / "d2"
-    _full_width_header_checkpoint(ckdir, preset("pi05-d2"), _features(["base_0_rgb"], 0, False) | {key: name})
+    ckdir = header_only_checkpoint(tmp_path / "d2", preset("pi05-d2"), lerobot_features(["base_0_rgb"], 0) | {key: name})
     index, _ = read_tensor_index(checkpoint_files(ckdir))
     with pytest.raises(CheckpointError, match=rf"{key}='{name}' means width \d+ .* but the tensors have width {width}"):
         infer_config(ckdir, index)
 
 
 def test_variant_names_that_match_are_accepted(tmp_path: Path):
-    ckdir = tmp_path / "d2"
-    meta = _features(["base_0_rgb"], 0, False) | {"paligemma_variant": "gemma_2b", "action_expert_variant": "gemma_300m"}
-    _full_width_header_checkpoint(ckdir, preset("pi05-d2"), meta)
+    meta = lerobot_features(["base_0_rgb"], 0) | {"paligemma_variant": "gemma_2b", "action_expert_variant": "gemma_300m"}
+    ckdir = header_only_checkpoint(tmp_path / "d2", preset("pi05-d2"), meta)
     index, _ = read_tensor_index(checkpoint_files(ckdir))
     assert infer_config(ckdir, index).expert.width == 1024
 

@@ -35,6 +35,7 @@ def _sim() -> dict:
     (lambda d: d["output"].update(kind="ros1"), "output.kind"),
     (lambda d: d.update(arm_slices=[[0, 9]]), "arm_slices"),
     (lambda d: d["engine"].update(dtype="int8"), "engine.dtype"),
+    (lambda d: d["engine"].update(norm_asset=""), "engine.norm_asset: must be null or a non-empty asset id"),
     (lambda d: d.update(cache={"reference_timeout_s": 0}), "cache.reference_timeout_s"),
     (lambda d: d.update(cache={"action_cache": "yes"}), "context_cache and action_cache must be true or false"),
     (lambda d: d.update(cache={"min_similarity": 0}), r"cache.min_similarity: must be in \(0, 1\]"),
@@ -95,3 +96,9 @@ def test_joint_limits_carry_positions_and_speeds():
     data = yaml.safe_load((CONFIG / "sim.yaml").read_text())
     data.pop("max_velocity", None)
     assert profile_from_dict(data).joint_limits().max_velocity is None
+
+
+def test_norm_asset_reaches_the_engine_spec():
+    d = _sim()
+    d["engine"]["norm_asset"] = "physical-intelligence/libero"
+    assert profile_from_dict(d, "sim").engine.norm_asset == "physical-intelligence/libero"

@@ -57,7 +57,9 @@ ARCH_KEY = "vla_runtime_arch"
 # buffers of ``Pi05Model.refresh_derived``). Shared weight files (``shared_weights``) hold that
 # layout and are keyed by this number: bump it whenever the layout changes, even when the shapes
 # stay the same, so that no process ever maps a file written in an older layout.
-RUNTIME_LAYOUT_VERSION = 1
+# 2: the text embedding comes from embed_tokens (was lm_head); a file built by version 1 from a
+# checkpoint whose two tensors differ holds the wrong embedding.
+RUNTIME_LAYOUT_VERSION = 2
 
 
 class CheckpointError(ValueError):
