@@ -15,7 +15,6 @@ from vla_runtime.engine.policy import Observation, Pi05Policy
 from vla_runtime.models.checkpoint import load_checkpoint, save_checkpoint
 from vla_runtime.models.config import preset
 from vla_runtime.models.norm_source import checkpoint_normalizers
-from vla_runtime.models.normalize import save_lerobot_normalization
 from vla_runtime.models.openpi_norm import (
     NormAssetError,
     choose_asset,
@@ -166,20 +165,6 @@ def test_missing_asset_refused_by_name(openpi_ckpt: Path):
         checkpoint_normalizers(openpi_ckpt, "droid")
     with pytest.raises(NormAssetError, match="norm asset 'droid' not found"):
         choose_asset(openpi_ckpt, "droid")
-
-
-def test_asset_asked_of_a_lerobot_checkpoint_is_refused(tiny_checkpoint_dir: Path):
-    with pytest.raises(NormAssetError, match=r"norm asset 'trossen' not found.*assets with statistics: none"):
-        checkpoint_normalizers(tiny_checkpoint_dir, "trossen")
-
-
-def test_both_kinds_of_statistics_are_refused(openpi_ckpt: Path, tmp_path: Path):
-    ckpt = _copy(openpi_ckpt, tmp_path / "both")
-    stats = {"observation.state": {"q01": torch.zeros(STATE_DIM), "q99": torch.ones(STATE_DIM)},
-             "action": {"q01": torch.zeros(ACTION_DIM), "q99": torch.ones(ACTION_DIM)}}
-    save_lerobot_normalization(ckpt, stats)
-    with pytest.raises(NormAssetError, match=r"both LeRobot statistics .* and openpi assets \['trossen'\]"):
-        checkpoint_normalizers(ckpt)
 
 
 def test_quantile_mode_needs_the_quantiles(openpi_ckpt: Path, tmp_path: Path):

@@ -21,8 +21,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .checkpoint_meta import CheckpointMetaError, camera_layout, check_variants, read_meta, variant, variant_names
-from .checkpoint_meta import GEMMA_VARIANTS
+from .checkpoint_meta import (
+    GEMMA_VARIANTS,
+    CheckpointMetaError,
+    camera_layout,
+    check_variants,
+    read_meta,
+    variant,
+    variant_names,
+)
 from .config import GemmaConfig, Pi05Config, SiglipConfig
 from .gemma import mlp_block
 from .pi05 import Pi05Model
@@ -303,14 +310,17 @@ def infer_config(path: Path, index: dict[str, TensorInfo]) -> Pi05Config:
 
 
 def _tensor_widths(index: dict[str, TensorInfo]) -> dict[str, tuple[int, int]]:
-    """(width, MLP width) of the VLM and the expert as their first layer's MLP shows them."""
+    """(width, MLP width) of the VLM and the expert as their first layer's MLP shows them.
+
+    A tower whose tensor is missing is left out: the missing tensor is reported by ``validate``
+    (or by the architecture inference) with the others.
+    """
     out = {}
     for tower, prefix in (("vlm", _LM + "layers.0."), ("expert", _EXP + "model.layers.0.")):
         key = prefix + "mlp.gate_proj.weight"
-        if key not in index:
-            raise CheckpointError(f"cannot infer the architecture: tensor {key} is missing")
-        mlp_dim, width = index[key].shape
-        out[tower] = (width, mlp_dim)
+        if key in index and len(index[key].shape) == 2:
+            mlp_dim, width = index[key].shape
+            out[tower] = (width, mlp_dim)
     return out
 
 
