@@ -9,7 +9,9 @@ What it does:
   1. Builds `PI05Policy(PI05Config(device="cpu"))` offline with random, seeded weights at
      full width but reduced depth (VLM / action expert / SigLIP layer counts from the CLI).
   2. Perturbs every floating parameter with seeded noise so that no weight stays at its
-     trivial init (zero norms, zero adaRMS dense, zero padding embedding row, ...).
+     trivial init (zero norms, zero adaRMS dense, zero padding embedding row, ...). Tensors
+     LeRobot keeps separate stay separate: the text embedding and the LM head are perturbed
+     independently and saved as they are, so a loader reading the wrong one is caught.
   3. Saves the policy and its LeRobot pre/post processors (with seeded quantile stats) to
      DIR/ckpt, so the directory looks like a trained LeRobot pi05 checkpoint, and describes
      the saved files in DIR/ckpt_files.txt.
@@ -21,7 +23,8 @@ What it does:
 
 Example:
   HF_HUB_OFFLINE=1 /tmp/lerobot/venv/bin/python bench/lerobot_oracle.py --out /tmp/parity \
-      --vlm-layers 2 --expert-layers 2 --vision-layers 2 --cameras 3 --seed 0 --repeats 3 --threads 2
+      --vlm-layers 2 --expert-layers 2 --vision-layers 2 --cameras 2 --empty-cameras 1 \
+      --prompt-len 37 --seed 0 --repeats 3 --threads 2
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ STATE_DIM = 32
 ACTION_DIM = 32
 IMAGE_SIZE = 224
 TOKEN_LEN = 200  # PI05Config.tokenizer_max_length
-PROMPT_LEN = 40  # number of valid (unpadded) prompt tokens in the synthetic prompt
+PROMPT_LEN = 40  # default number of valid (unpadded) prompt tokens in the synthetic prompt (--prompt-len)
 PERTURB_STD = 0.02
 TASK = "pick up the red block and put it in the bowl"
 
@@ -132,6 +135,7 @@ def build_policy(args):
     config = PI05Config(
         device="cpu",
         dtype="float32",
+        empty_cameras=args.empty_cameras,  # added to input_features as empty_camera_<i> by LeRobot itself
         input_features=input_features,
         output_features=output_features,
         push_to_hub=False,
@@ -159,11 +163,10 @@ def perturb_parameters(policy, seed: int, std: float) -> int:
         if p.is_floating_point():
             p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * std)
             n += 1
-    # PI05Policy.from_pretrained (_fix_pytorch_state_dict_keys) overwrites
-    # language_model.embed_tokens with paligemma.lm_head on load (real checkpoints have them
-    # tied). Make them equal here so the saved checkpoint loads back to this exact model.
-    pali = policy.model.paligemma_with_expert.paligemma
-    pali.lm_head.weight.copy_(pali.model.language_model.embed_tokens.weight)
+    # embed_tokens and lm_head are perturbed independently and left that way: LeRobot's
+    # from_pretrained loads the file's embed_tokens over its lm_head copy, so the saved file
+    # reloads to this exact model (--verify-ckpt checks it) and a consumer that embeds text with
+    # lm_head instead differs visibly in prefix_embs and every layer's keys/values.
     return n
 
 
@@ -304,12 +307,14 @@ def preprocessor_stats(preprocessor) -> dict[str, torch.Tensor]:
 # --------------------------------------------------------------------------------------
 # Inputs
 # --------------------------------------------------------------------------------------
-def make_inputs(policy, cameras: int, seed: int) -> dict[str, torch.Tensor]:
+def make_inputs(policy, cameras: int, seed: int, prompt_len: int = PROMPT_LEN) -> dict[str, torch.Tensor]:
     """Deterministic inputs. Raw images are in [0, 1]; the model sees them in [-1, 1].
 
     The [0, 1] -> [-1, 1] map (and resize_with_pad when the size differs) is done by
     PI05Policy._preprocess_images, not by sample_actions, so we call that method here to get
-    exactly what the policy would feed the model.
+    exactly what the policy would feed the model. Only the ``cameras`` real cameras get an
+    image; LeRobot itself fills each empty camera with a -1 image and a False mask, and every
+    slot it feeds the model is saved (pixel_values_i / image_mask_i for i < real + empty).
     """
     gen = torch.Generator().manual_seed(seed + 1)
     raw = [torch.rand(1, 3, IMAGE_SIZE, IMAGE_SIZE, generator=gen) for _ in range(cameras)]
@@ -317,9 +322,9 @@ def make_inputs(policy, cameras: int, seed: int) -> dict[str, torch.Tensor]:
     tokens = torch.zeros(1, TOKEN_LEN, dtype=torch.int64)
     tokens[0, 0] = 2  # <bos>, as the Gemma tokenizer would add
     # Ordinary text ids, below the 256000+ range of <locNNNN>/<segNNN> special tokens.
-    tokens[0, 1:PROMPT_LEN] = torch.randint(3, min(256000, vocab), (PROMPT_LEN - 1,), generator=gen)
+    tokens[0, 1:prompt_len] = torch.randint(3, min(256000, vocab), (prompt_len - 1,), generator=gen)
     token_mask = torch.zeros(1, TOKEN_LEN, dtype=torch.bool)
-    token_mask[0, :PROMPT_LEN] = True
+    token_mask[0, :prompt_len] = True
     noise = torch.randn(1, policy.config.chunk_size, policy.config.max_action_dim, generator=gen)
 
     batch = {key: img for key, img in zip(policy.config.image_features, raw, strict=False)}
@@ -327,6 +332,7 @@ def make_inputs(policy, cameras: int, seed: int) -> dict[str, torch.Tensor]:
     out = {"tokens": tokens, "token_mask": token_mask, "noise": noise}
     for i in range(cameras):
         out[f"image_{i}"] = raw[i].contiguous()
+    for i in range(len(pixel_values)):
         out[f"pixel_values_{i}"] = pixel_values[i].contiguous()
         out[f"image_mask_{i}"] = img_masks[i].contiguous()
     return out
@@ -464,7 +470,9 @@ def main() -> int:
     ap.add_argument("--vlm-layers", type=int, default=18)
     ap.add_argument("--expert-layers", type=int, default=18)
     ap.add_argument("--vision-layers", type=int, default=27)
-    ap.add_argument("--cameras", type=int, default=3, choices=(1, 2, 3))
+    ap.add_argument("--cameras", type=int, default=3, choices=(1, 2, 3), help="real cameras (images given)")
+    ap.add_argument("--empty-cameras", type=int, default=0, help="PI05Config.empty_cameras (blank, masked slots)")
+    ap.add_argument("--prompt-len", type=int, default=PROMPT_LEN, help=f"valid prompt tokens (<= {TOKEN_LEN})")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
@@ -472,6 +480,8 @@ def main() -> int:
     ap.add_argument("--verify-ckpt", action="store_true",
                     help="only reload DIR/ckpt and check it reproduces DIR/io.safetensors")
     args = ap.parse_args()
+    if not 1 <= args.prompt_len <= TOKEN_LEN:
+        ap.error(f"--prompt-len must be in [1, {TOKEN_LEN}], got {args.prompt_len}")
     if args.verify_ckpt:
         return verify_checkpoint(args)
 
@@ -501,6 +511,9 @@ def main() -> int:
 
     n_pert = perturb_parameters(policy, seed=args.seed + 100, std=PERTURB_STD)
     log(f"perturbed {n_pert} floating parameters by {PERTURB_STD} * N(0,1)")
+    pali = pwe.paligemma
+    tie_gap = (pali.lm_head.weight - pali.model.language_model.embed_tokens.weight).abs().max().item()
+    log(f"embed_tokens vs lm_head after perturbation: max abs diff {tie_gap:.3e} (saved as they are)")
 
     # ---- checkpoint + processors ---------------------------------------------------------
     stats = make_dataset_stats(args.seed)
@@ -515,9 +528,11 @@ def main() -> int:
         log(f"saved checkpoint + processors to {ckpt} in {time.perf_counter() - t0:.1f}s")
 
     # ---- inputs ------------------------------------------------------------------------
-    inputs = make_inputs(policy, args.cameras, args.seed)
-    images = [inputs[f"pixel_values_{i}"] for i in range(args.cameras)]
-    img_masks = [inputs[f"image_mask_{i}"] for i in range(args.cameras)]
+    inputs = make_inputs(policy, args.cameras, args.seed, args.prompt_len)
+    slots = sum(1 for k in inputs if k.startswith("pixel_values_"))
+    assert slots == args.cameras + args.empty_cameras, (slots, args.cameras, args.empty_cameras)
+    images = [inputs[f"pixel_values_{i}"] for i in range(slots)]
+    img_masks = [inputs[f"image_mask_{i}"] for i in range(slots)]
     tokens, token_mask, noise = inputs["tokens"], inputs["token_mask"], inputs["noise"]
 
     # ---- timed runs ----------------------------------------------------------------------
@@ -566,7 +581,7 @@ def main() -> int:
         alt_images = [images[0].flip(-1)] + images[1:]
         a_img = policy.model.sample_actions(alt_images, img_masks, tokens, token_mask, noise=noise.clone())
         alt_tokens = tokens.clone()
-        alt_tokens[0, 1:PROMPT_LEN] = alt_tokens[0, 1:PROMPT_LEN].roll(1)
+        alt_tokens[0, 1:args.prompt_len] = alt_tokens[0, 1:args.prompt_len].roll(1)
         a_tok = policy.model.sample_actions(images, img_masks, alt_tokens, token_mask, noise=noise.clone())
     rel = lambda b: ((b - actions).norm() / actions.norm()).item()  # noqa: E731
     sensitivity = {"flip_image_0": rel(a_img), "roll_prompt_tokens": rel(a_tok)}
@@ -597,9 +612,11 @@ def main() -> int:
     timing = {
         "config": {
             "vlm_layers": n_vlm, "expert_layers": n_exp, "vision_layers": n_vis,
-            "cameras": args.cameras, "threads": torch.get_num_threads(), "seed": args.seed,
+            "cameras": args.cameras, "empty_cameras": args.empty_cameras,
+            "threads": torch.get_num_threads(), "seed": args.seed,
             "repeats": args.repeats, "dtype": "float32", "num_inference_steps": policy.config.num_inference_steps,
-            "prefix_len": args.cameras * 256 + TOKEN_LEN, "valid_prompt_tokens": PROMPT_LEN,
+            "prefix_len": slots * 256 + TOKEN_LEN, "valid_prompt_tokens": args.prompt_len,
+            "embed_tokens_vs_lm_head_max_abs_diff": tie_gap,
             "n_parameters": n_params, "attn_implementation": attn_impl,
             "torch": torch.__version__, "lerobot": lerobot.__version__,
             "transformers": __import__("transformers").__version__, "python": sys.version.split()[0],

@@ -1,8 +1,9 @@
 """Dense against cached through the pipeline a robot runs, side by side in one run (JSON out).
 
 Not part of CI. The same episode bags play the robot (as ``vla-runtime run`` does) through two
-pipelines started side by side from one robot profile: one with the cache off, one with it
-forced on (both halves, whatever ``auto`` would pick). Episodes alternate between the two, each
+pipelines started side by side from one robot profile: one with the cache off, one with it on
+(``--halves on``: both halves forced, as ``make demo`` compares; ``--halves auto``: what the
+runtime picks by default from the repository's recorded half timing). Episodes alternate between the two, each
 announced ahead (the cache manager's initial window, what a robot's reset gives it), and call i
 of an episode draws the same noise in both, so the action deviation compares like with like.
 
@@ -67,7 +68,8 @@ def run(args: argparse.Namespace) -> dict:
     cached_spec, profile = pipeline_spec(base)
     tag = f"pc{os.getpid()}"
     cached_spec = dataclasses.replace(cached_spec, rings=RingNames.tagged(tag + "c"), cache=dataclasses.replace(
-        cached_spec.cache, enabled=True, context_cache=True, action_cache=True))
+        cached_spec.cache, enabled=True, context_cache=args.halves, action_cache=args.halves),
+        episode_ready_s=args.episode_ready_s)
     dense_spec = dataclasses.replace(cached_spec, rings=RingNames.tagged(tag + "d"),
                                      cache=dataclasses.replace(cached_spec.cache, enabled=False))
     episodes = [read_episode(b, profile_topics(profile), args.call_period, state_dim=profile.state_dim) for b in bags]
@@ -121,7 +123,8 @@ def run(args: argparse.Namespace) -> dict:
 
     d, c = summary(calls["dense"]), summary(calls["cached"])
     return {"profile": str(args.profile), "checkpoint": str(cached_spec.checkpoint), "repository": args.repository,
-            "processes": args.processes, "threads": args.threads, "episodes": [str(b) for b in bags],
+            "processes": args.processes, "threads": args.threads, "halves": args.halves,
+            "episode_ready_s": args.episode_ready_s, "episodes": [str(b) for b in bags],
             "repeats": args.repeats, "start_s": start_s, "load_average": os.getloadavg(),
             "dense": d, "cached": c,
             "speedup_per_call_median": d["median_call_s"] / c["median_call_s"],
@@ -144,6 +147,10 @@ def main() -> int:
     ap.add_argument("--call-period", type=float, default=0.5)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--halves", choices=("on", "auto"), default="on",
+                    help="on: both halves forced (default); auto: as the runtime picks from the recorded timing")
+    ap.add_argument("--episode-ready-s", type=float, default=120.0,
+                    help="how long an episode's announcement may wait for the initial window (a robot's reset)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     report = run(args)

@@ -215,19 +215,10 @@ def _aloha_sim(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from .models.checkpoint import checkpoint_files, content_hash, infer_config, read_tensor_index, validate
-    from pathlib import Path
+    from .tools.checkpoint_info import describe_checkpoint, format_text
 
-    path = Path(args.checkpoint)
-    files = checkpoint_files(path)
-    index, layout = read_tensor_index(files)
-    cfg = infer_config(path, index)
-    validate(cfg, index, path)
-    info = {"path": str(path), "layout": layout, "files": [str(f) for f in files], "tensors": len(index),
-            "vision_depth": cfg.vision.depth, "vlm_depth": cfg.vlm.depth, "expert_depth": cfg.expert.depth,
-            "cameras": cfg.num_cameras, "chunk": cfg.chunk_size, "action_dim": cfg.action_dim,
-            "content_hash": content_hash(files) if args.hash else None}
-    print(json.dumps(info, indent=2))
+    info = describe_checkpoint(args.checkpoint, compute_hash=args.hash, norm_asset=args.norm_asset)
+    print(json.dumps(info, indent=2) if args.json else format_text(info))
     return 0
 
 
@@ -430,6 +421,9 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="validate a checkpoint and print its architecture")
     i.add_argument("checkpoint")
     i.add_argument("--hash", action="store_true", help="also compute the content hash (reads every byte)")
+    i.add_argument("--json", action="store_true", help="print JSON (for tools and CI) instead of text")
+    i.add_argument("--norm-asset", dest="norm_asset", default=None,
+                   help="openpi checkpoints: the assets/<id> whose norm_stats.json to report")
     i.set_defaults(func=_inspect)
 
     from .ipc.bench import bench_ipc_main

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-import struct
+import math
 from pathlib import Path
 
 import pytest
@@ -15,15 +15,14 @@ from vla_runtime.models.checkpoint import (
     checkpoint_files,
     content_hash,
     infer_config,
-    layout_groups,
     load_checkpoint,
     read_tensor_index,
     save_checkpoint,
-    unused_keys,
     validate,
 )
 from vla_runtime.models.config import preset
 from vla_runtime.models.pi05 import Pi05Model, init_random_
+from vla_runtime.testing.checkpoints import header_only_checkpoint, lerobot_features, public_shapes
 
 WEIGHTS = "model.safetensors"
 Q_KEY = "model.paligemma_with_expert.paligemma.model.language_model.layers.0.self_attn.q_proj.weight"
@@ -168,50 +167,20 @@ def test_sharded_checkpoint(tmp_path: Path, ckpt: Path, tiny_model: Pi05Model):
         load_checkpoint(out)
 
 
-def _header_only_checkpoint(path: Path, shapes: dict[str, tuple[int, ...]]) -> None:
-    """A safetensors file with a real header and a sparse (all-zero, no disk) payload."""
-    header, offset = {}, 0
-    for k, s in shapes.items():
-        n = 4
-        for d in s:
-            n *= d
-        header[k] = {"dtype": "F32", "shape": list(s), "data_offsets": [offset, offset + n]}
-        offset += n
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)
-    with path.open("wb") as f:
-        f.write(struct.pack("<Q", len(raw)) + raw)
-        f.truncate(8 + len(raw) + offset)
-
-
 def test_full_size_layout_matches_lerobot_reference(tmp_path: Path):
     """The full pi05 preset expects exactly LeRobot's 813 tensors and 4,143,404,816 elements
     (shared/reference/pi05_lerobot_layout.txt), and the architecture is read back from a
     LeRobot-style config.json plus the tensor shapes alone."""
     cfg = preset("pi05")
-    shapes = {}
-    for grp in layout_groups(cfg):
-        shapes.update(zip(grp.public, grp.shapes))
-    shapes.update(unused_keys(cfg))
+    shapes = public_shapes(cfg)
     assert len(shapes) == 813
-    total = 0
-    for s in shapes.values():
-        n = 1
-        for d in s:
-            n *= d
-        total += n
-    assert total == 4_143_404_816
+    assert sum(math.prod(s) for s in shapes.values()) == 4_143_404_816
 
-    ckdir = tmp_path / "full"
-    ckdir.mkdir()
-    _header_only_checkpoint(ckdir / WEIGHTS, {"model." + k: s for k, s in shapes.items()})
-    cams = {f"observation.images.{c}": {"type": "VISUAL", "shape": [3, 224, 224]}
-            for c in ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")}
-    (ckdir / "config.json").write_text(json.dumps({
+    meta = lerobot_features(["base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb"], 0) | {
         "type": "pi05", "paligemma_variant": "gemma_2b", "action_expert_variant": "gemma_300m",
         "chunk_size": 50, "max_state_dim": 32, "max_action_dim": 32, "num_inference_steps": 10,
-        "tokenizer_max_length": 200, "input_features": {**cams, "observation.state": {"type": "STATE", "shape": [32]}},
-    }))
+        "tokenizer_max_length": 200}
+    ckdir = header_only_checkpoint(tmp_path / "full", cfg, meta)
     index, layout = read_tensor_index(checkpoint_files(ckdir))
     assert layout == "lerobot"
     inferred = infer_config(ckdir, index)
@@ -220,16 +189,8 @@ def test_full_size_layout_matches_lerobot_reference(tmp_path: Path):
 
 
 def test_reduced_depth_is_read_off_the_tensors(tmp_path: Path):
-    cfg = preset("pi05-d2")
-    shapes = {}
-    for grp in layout_groups(cfg):
-        shapes.update(zip(grp.public, grp.shapes))
-    shapes.update(unused_keys(cfg))
-    ckdir = tmp_path / "d2"
-    ckdir.mkdir()
-    _header_only_checkpoint(ckdir / WEIGHTS, shapes)  # openpi layout: no "model." prefix
-    (ckdir / "config.json").write_text(json.dumps({"input_features": {
-        f"observation.images.c{i}": {"type": "VISUAL", "shape": [3, 224, 224]} for i in range(3)}}))
+    ckdir = header_only_checkpoint(tmp_path / "d2", preset("pi05-d2"), lerobot_features(["c0", "c1", "c2"], 0),
+                                   layout="openpi")  # no "model." prefix
     index, layout = read_tensor_index(checkpoint_files(ckdir))
     assert layout == "openpi"
     got = infer_config(ckdir, index)
@@ -237,12 +198,105 @@ def test_reduced_depth_is_read_off_the_tensors(tmp_path: Path):
     assert got.retrieval_layer == 2
 
 
-def test_embedding_comes_from_the_tied_lm_head(ckpt: Path):
-    """PaliGemma ties embedding and LM head; the reference loader takes the embedding from
-    ``lm_head``, so a checkpoint whose two copies differ must load the ``lm_head`` values."""
-    head = "model.paligemma_with_expert.paligemma.lm_head.weight"
-    emb = "model.paligemma_with_expert.paligemma.model.language_model.embed_tokens.weight"
-    tensors = load_file(str(ckpt / WEIGHTS))
-    tensors[emb] = torch.zeros_like(tensors[emb])
-    save_file(tensors, str(ckpt / WEIGHTS))
-    torch.testing.assert_close(load_checkpoint(ckpt).model.embed_tokens.weight, tensors[head])
+EMB = "paligemma_with_expert.paligemma.model.language_model.embed_tokens.weight"
+HEAD = "paligemma_with_expert.paligemma.lm_head.weight"
+
+
+def _text_embedding_by_hand(table: torch.Tensor, tokens: torch.Tensor, n: int) -> torch.Tensor:
+    """Gemma's text embedding computed independently of the model: row lookup times sqrt(width)."""
+    return table[tokens[0, :n]] * math.sqrt(table.shape[1])
+
+
+@pytest.mark.parametrize("layout", ["lerobot", "openpi"])
+def test_embedding_comes_from_embed_tokens_when_the_two_tensors_differ(tmp_path: Path, tiny_model: Pi05Model,
+                                                                       layout: str):
+    """A file whose embed_tokens and lm_head differ (a fine-tune that trained the embedding) embeds
+    text with embed_tokens, as a LeRobot-loaded model does; lm_head must not leak in."""
+    path = save_checkpoint(tiny_model, tmp_path / layout, layout=layout)
+    prefix = "model." if layout == "lerobot" else ""
+    g = torch.Generator().manual_seed(7)
+    _rewrite(path, lambda t: t.__setitem__(prefix + HEAD, torch.randn(t[prefix + HEAD].shape, generator=g)))
+    stored = load_file(str(path / WEIGHTS))
+    assert (stored[prefix + HEAD] - stored[prefix + EMB]).abs().max() > 1.0  # the two really differ
+    ck = load_checkpoint(path)
+    assert torch.equal(ck.model.embed_tokens.weight, stored[prefix + EMB])
+    # The prefix the VLM sees, against a hand computation from the file's embed_tokens. Same fp32
+    # lookup and the same single multiply by sqrt(width): bit-identical, so exact equality.
+    images, image_mask, tokens, token_mask, noise = _inputs(tiny_model.cfg)
+    with torch.no_grad():
+        img, _ = ck.model.embed_images(images)
+        prefix_embs = ck.model.build_prefix(img, image_mask, tokens, token_mask).embeds
+    n_img, n_text = img.shape[1], int(token_mask.sum())
+    assert torch.equal(prefix_embs[0, n_img:n_img + n_text], _text_embedding_by_hand(stored[prefix + EMB], tokens, n_text))
+    assert not torch.allclose(prefix_embs[0, n_img:n_img + n_text],
+                              _text_embedding_by_hand(stored[prefix + HEAD], tokens, n_text))
+    # And the actions are those of the model the file was written from (its embedding is embed_tokens).
+    ck.model.setup_caches(1)
+    with torch.no_grad():
+        assert torch.equal(ck.model.sample_actions(images, image_mask, tokens, token_mask, noise),
+                           tiny_model.sample_actions(images, image_mask, tokens, token_mask, noise))
+
+
+@pytest.mark.parametrize("layout", ["lerobot", "openpi"])
+def test_embedding_falls_back_to_lm_head_without_embed_tokens(tmp_path: Path, tiny_model: Pi05Model, layout: str):
+    """Only a file without embed_tokens (tied weights saved once) embeds text with lm_head."""
+    path = save_checkpoint(tiny_model, tmp_path / layout, layout=layout)
+    prefix = "model." if layout == "lerobot" else ""
+    g = torch.Generator().manual_seed(8)
+
+    def edit(t: dict[str, torch.Tensor]) -> None:
+        t[prefix + HEAD] = torch.randn(t.pop(prefix + EMB).shape, generator=g)
+
+    _rewrite(path, edit)
+    ck = load_checkpoint(path)
+    assert torch.equal(ck.model.embed_tokens.weight, load_file(str(path / WEIGHTS))[prefix + HEAD])
+
+
+def test_refuses_checkpoint_without_a_text_embedding(ckpt: Path):
+    _rewrite(ckpt, lambda t: (t.pop("model." + EMB), t.pop("model." + HEAD)))
+    with pytest.raises(CheckpointError, match="no text embedding: neither .*embed_tokens.* nor .*lm_head"):
+        load_checkpoint(ckpt)
+
+
+@pytest.mark.parametrize("listed", [True, False])
+def test_empty_camera_counted_once(tmp_path: Path, listed: bool):
+    """2 real + 1 empty camera is 3 slots whether or not config.json also lists the empty one as a
+    feature (LeRobot does; counting both gave 4)."""
+    ckdir = header_only_checkpoint(tmp_path / "d2", preset("pi05-d2"),
+                                   lerobot_features(["base_0_rgb", "left_wrist_0_rgb"], 1, listed))
+    index, _ = read_tensor_index(checkpoint_files(ckdir))
+    assert infer_config(ckdir, index).num_cameras == 3
+
+
+def test_refuses_listed_empty_camera_beyond_empty_cameras(tmp_path: Path):
+    meta = lerobot_features(["base_0_rgb"], 2, listed=True) | {"empty_cameras": 1}
+    ckdir = header_only_checkpoint(tmp_path / "d2", preset("pi05-d2"), meta)
+    index, _ = read_tensor_index(checkpoint_files(ckdir))
+    with pytest.raises(CheckpointError, match=r"empty_camera_1.*empty_cameras is 1"):
+        infer_config(ckdir, index)
+
+
+@pytest.mark.parametrize("key, name, width", [("action_expert_variant", "gemma_2b", 1024),
+                                              ("paligemma_variant", "gemma_300m", 2048)])
+def test_refuses_variant_that_contradicts_the_tensors(tmp_path: Path, key: str, name: str, width: int):
+    ckdir = header_only_checkpoint(tmp_path / "d2", preset("pi05-d2"), lerobot_features(["base_0_rgb"], 0) | {key: name})
+    index, _ = read_tensor_index(checkpoint_files(ckdir))
+    with pytest.raises(CheckpointError, match=rf"{key}='{name}' means width \d+ .* but the tensors have width {width}"):
+        infer_config(ckdir, index)
+
+
+def test_variant_names_that_match_are_accepted(tmp_path: Path):
+    meta = lerobot_features(["base_0_rgb"], 0) | {"paligemma_variant": "gemma_2b", "action_expert_variant": "gemma_300m"}
+    ckdir = header_only_checkpoint(tmp_path / "d2", preset("pi05-d2"), meta)
+    index, _ = read_tensor_index(checkpoint_files(ckdir))
+    assert infer_config(ckdir, index).expert.width == 1024
+
+
+def test_variant_checked_against_our_own_architecture_record_too(ckpt: Path):
+    """Our checkpoints record the architecture; a variant name beside it must still be true."""
+    meta = json.loads((ckpt / "config.json").read_text())
+    assert "paligemma_variant" not in meta  # save_checkpoint names no variant for a tiny model
+    (ckpt / "config.json").write_text(json.dumps(meta | {"paligemma_variant": "gemma_2b"}))
+    with pytest.raises(CheckpointError, match=r"paligemma_variant='gemma_2b' means width 2048 / MLP 16384, "
+                                              r"but the tensors have width 96 / MLP 256"):
+        load_checkpoint(ckpt)

@@ -35,6 +35,7 @@ def _sim() -> dict:
     (lambda d: d["output"].update(kind="ros1"), "output.kind"),
     (lambda d: d.update(arm_slices=[[0, 9]]), "arm_slices"),
     (lambda d: d["engine"].update(dtype="int8"), "engine.dtype"),
+    (lambda d: d["engine"].update(norm_asset=""), "engine.norm_asset: must be null or a non-empty asset id"),
     (lambda d: d.update(cache={"background_nice": 20}), r"cache.background_nice: must be an int in \[0, 19\]"),
     (lambda d: d.update(cache={"action_cache": "yes"}), r"sim.cache: cache.action_cache: must be auto, on or off"),
     (lambda d: d.update(cache={"context_cache": 1}), r"sim.cache: cache.context_cache: must be auto, on or off"),
@@ -128,3 +129,9 @@ def test_joint_limits_carry_positions_and_speeds():
     data = yaml.safe_load((CONFIG / "sim.yaml").read_text())
     data.pop("max_velocity", None)
     assert profile_from_dict(data).joint_limits().max_velocity is None
+
+
+def test_norm_asset_reaches_the_engine_spec():
+    d = _sim()
+    d["engine"]["norm_asset"] = "physical-intelligence/libero"
+    assert profile_from_dict(d, "sim").engine.norm_asset == "physical-intelligence/libero"

@@ -52,8 +52,8 @@ def test_cli_bench_writes_json(tmp_path: Path, capsys):
 
 
 def test_cli_inspect_and_refusal(tiny_checkpoint_dir: Path, tmp_path: Path, capsys):
-    assert main(["inspect", str(tiny_checkpoint_dir), "--hash"]) == 0
+    assert main(["inspect", str(tiny_checkpoint_dir), "--hash", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert info["layout"] == "lerobot" and info["vlm_depth"] == 3 and info["content_hash"].startswith("sha256:")
+    assert info["layout"] == "lerobot" and info["depths"]["vlm"] == 3 and info["content_hash"].startswith("sha256:")
     assert main(["inspect", str(tmp_path / "missing")]) == 2
     assert "no such checkpoint" in capsys.readouterr().err

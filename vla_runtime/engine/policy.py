@@ -18,7 +18,8 @@ import torch
 from torch import Tensor
 
 from ..models.checkpoint import load_checkpoint
-from ..models.normalize import Normalizer, normalizers_from_checkpoint
+from ..models.norm_source import NormSource, checkpoint_normalizers
+from ..models.normalize import Normalizer
 from ..models.preprocess import ImagePreprocessor
 from ..models.shared_weights import SharedWeights
 from ..models.tokenizer import PromptTokenizer, build_prompt, discretize_state
@@ -60,14 +61,18 @@ class Pi05Policy:
         self.camera_names = list(camera_names)
         self.checkpoint_hash: str | None = None  # set when built from a checkpoint directory
         self.shared_weights: SharedWeights | None = None  # set when built with share_weights
+        self.norm_source: NormSource | None = None  # set when built from a checkpoint directory
         size = cfg.vision.image_size
         self.images = images or ImagePreprocessor(size=(size, size))
 
     @classmethod
     def from_checkpoint(cls, ckpt_dir: str | Path, camera_names: list[str], max_batch: int = 1,
                         dtype: torch.dtype = torch.float32, device: str = "cpu", share_weights: bool = False,
-                        weights_cache_dir: str | Path | None = None) -> "Pi05Policy":
+                        weights_cache_dir: str | Path | None = None, norm_asset: str | None = None) -> "Pi05Policy":
         """Build a policy from a checkpoint directory.
+
+        ``norm_asset`` chooses the statistics of an openpi checkpoint (``assets/<norm_asset>``);
+        it may be left out when there is only one (``models.norm_source``).
 
         ``share_weights`` (CPU): map the fused weights from a file shared by every process that
         loads this checkpoint instead of holding a private copy (``models.shared_weights``);
@@ -76,11 +81,12 @@ class Pi05Policy:
         """
         ck = load_checkpoint(ckpt_dir, dtype=dtype, device=device, share_weights=share_weights,
                              cache_dir=weights_cache_dir)
-        state_norm, action_norm = normalizers_from_checkpoint(ckpt_dir)
+        state_norm, action_norm, norm_source = checkpoint_normalizers(ckpt_dir, norm_asset)
         tok = PromptTokenizer.from_checkpoint_dir(ckpt_dir, max_length=ck.config.max_token_len)
         policy = cls(DenseEngine(ck.model, max_batch=max_batch), tok, state_norm, action_norm, camera_names)
         policy.checkpoint_hash = ck.content_hash
         policy.shared_weights = ck.shared
+        policy.norm_source = norm_source
         return policy
 
     @property

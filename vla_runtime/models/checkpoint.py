@@ -21,6 +21,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .checkpoint_meta import (
+    GEMMA_VARIANTS,
+    CheckpointMetaError,
+    camera_layout,
+    check_variants,
+    read_meta,
+    variant,
+    variant_names,
+)
 from .config import GemmaConfig, Pi05Config, SiglipConfig
 from .gemma import mlp_block
 from .pi05 import Pi05Model
@@ -41,18 +50,23 @@ _ALIASES = (
     (_PWE + "paligemma.vision_tower.", _PWE + "paligemma.model.vision_tower."),
     (_PWE + "paligemma.multi_modal_projector.", _PWE + "paligemma.model.multi_modal_projector."),
 )
+# The text embedding. PaliGemma ties it to the LM head, but the two tensors are stored separately
+# and need not be equal (a fine-tune that trained the embedding). LeRobot's from_pretrained copies
+# lm_head into embed_tokens and then loads the file's own embed_tokens over it, so the file's
+# embed_tokens is what a loaded model embeds text with; lm_head only when the file has no
+# embed_tokens (openpi files saved with tied-weight deduplication may keep either name).
+EMBED_KEY = _LM + "embed_tokens.weight"
+HEAD_KEY = _PWE + "paligemma.lm_head.weight"
 _ACCEPTED_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
-_VARIANTS = {  # Gemma variants named in LeRobot's config.json: (heads, kv heads, head dim)
-    "gemma_2b": (8, 1, 256),
-    "gemma_300m": (8, 1, 256),
-}
 _SIGLIP_HEADS = {1152: 16}
 ARCH_KEY = "vla_runtime_arch"
 # Version of the fused in-memory layout built at load (``layout_groups``' fusions, the derived
 # buffers of ``Pi05Model.refresh_derived``). Shared weight files (``shared_weights``) hold that
 # layout and are keyed by this number: bump it whenever the layout changes, even when the shapes
 # stay the same, so that no process ever maps a file written in an older layout.
-RUNTIME_LAYOUT_VERSION = 1
+# 2: the text embedding comes from embed_tokens (was lm_head); a file built by version 1 from a
+# checkpoint whose two tensors differ holds the wrong embedding.
+RUNTIME_LAYOUT_VERSION = 2
 
 
 class CheckpointError(ValueError):
@@ -123,8 +137,13 @@ class LoadedCheckpoint:
 
 
 # --------------------------------------------------------------------------- layout spec
-def layout_groups(cfg: Pi05Config) -> list[Group]:
-    """Every tensor the model needs, in the LeRobot layout without the ``model.`` prefix."""
+def layout_groups(cfg: Pi05Config, embedding: str = EMBED_KEY) -> list[Group]:
+    """Every tensor the model needs, in the LeRobot layout without the ``model.`` prefix.
+
+    ``embedding`` names the tensor the text embedding is read from (``embedding_key``).
+    """
+    if embedding not in (EMBED_KEY, HEAD_KEY):
+        raise ValueError(f"embedding must be {EMBED_KEY} or {HEAD_KEY}, got {embedding!r}")
     g: list[Group] = []
 
     def add(internal: str, *public: tuple[str, tuple[int, ...]], fuse=None, split=None) -> None:
@@ -152,9 +171,7 @@ def layout_groups(cfg: Pi05Config) -> list[Group]:
     proj = _PWE + "paligemma.model.multi_modal_projector.linear."
     add("projector.weight", (proj + "weight", (cfg.vlm.width, v.width)))
     add("projector.bias", (proj + "bias", (cfg.vlm.width,)))
-    # PaliGemma ties its input embedding to the LM head, and the reference loader takes the
-    # embedding from ``lm_head`` (overwriting ``embed_tokens``); we read the same tensor.
-    add("embed_tokens.weight", (_PWE + "paligemma.lm_head.weight", (cfg.vocab_size, cfg.vlm.width)))
+    add("embed_tokens.weight", (embedding, (cfg.vocab_size, cfg.vlm.width)))
 
     def gemma_layer(src: str, dst: str, c: GemmaConfig, adaptive: bool) -> None:
         add(dst + "attn.qkv_weight", (src + "self_attn.q_proj.weight", (c.q_dim, c.width)),
@@ -189,12 +206,31 @@ def layout_groups(cfg: Pi05Config) -> list[Group]:
 
 
 def unused_keys(cfg: Pi05Config) -> dict[str, tuple[int, ...]]:
-    """Tensors of the public layout that inference never reads (they are validated, not loaded)."""
+    """Tensors of the public layout that inference never reads (they are validated, not loaded).
+
+    With ``layout_groups``' default embedding this completes LeRobot's layout; ``lm_head`` may be
+    absent from a file that has ``embed_tokens`` (see ``optional_keys``).
+    """
     return {
         _LM + "norm.weight": (cfg.vlm.width,),
-        _LM + "embed_tokens.weight": (cfg.vocab_size, cfg.vlm.width),
+        HEAD_KEY: (cfg.vocab_size, cfg.vlm.width),
         _EXP + "lm_head.weight": (cfg.vocab_size, cfg.expert.width),
     }
+
+
+def embedding_key(index: dict[str, TensorInfo] | Iterable[str]) -> str:
+    """The tensor the text embedding is read from: ``embed_tokens`` when present, else ``lm_head``."""
+    if EMBED_KEY in index:
+        return EMBED_KEY
+    if HEAD_KEY in index:
+        return HEAD_KEY
+    raise CheckpointError(f"no text embedding: neither {EMBED_KEY} nor {HEAD_KEY} is in the checkpoint")
+
+
+def optional_keys(cfg: Pi05Config, embedding: str) -> dict[str, tuple[int, ...]]:
+    """Tensors that may be present (shape-checked) or absent: the embedding copy not read."""
+    other = HEAD_KEY if embedding == EMBED_KEY else EMBED_KEY
+    return {other: (cfg.vocab_size, cfg.vlm.width)}
 
 
 # --------------------------------------------------------------------------- reading headers
@@ -261,9 +297,36 @@ def read_tensor_index(files: Iterable[Path]) -> tuple[dict[str, TensorInfo], str
 
 # --------------------------------------------------------------------------- config inference
 def infer_config(path: Path, index: dict[str, TensorInfo]) -> Pi05Config:
-    """Architecture from ``config.json`` and the tensor shapes (LeRobot does not record depths)."""
-    cfg_file = (path if path.is_dir() else path.parent) / "config.json"
-    meta = json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
+    """Architecture from ``config.json`` and the tensor shapes (LeRobot does not record depths).
+
+    The variant names in ``config.json`` are checked against the widths the tensors show, and the
+    cameras are counted by ``checkpoint_meta.camera_layout`` (an empty camera listed both as an
+    input feature and in ``empty_cameras`` counts once).
+    """
+    try:
+        return _infer_config(path, index)
+    except CheckpointMetaError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+
+
+def _tensor_widths(index: dict[str, TensorInfo]) -> dict[str, tuple[int, int]]:
+    """(width, MLP width) of the VLM and the expert as their first layer's MLP shows them.
+
+    A tower whose tensor is missing is left out: the missing tensor is reported by ``validate``
+    (or by the architecture inference) with the others.
+    """
+    out = {}
+    for tower, prefix in (("vlm", _LM + "layers.0."), ("expert", _EXP + "model.layers.0.")):
+        key = prefix + "mlp.gate_proj.weight"
+        if key in index and len(index[key].shape) == 2:
+            mlp_dim, width = index[key].shape
+            out[tower] = (width, mlp_dim)
+    return out
+
+
+def _infer_config(path: Path, index: dict[str, TensorInfo]) -> Pi05Config:
+    meta = read_meta(path)
+    check_variants(meta, _tensor_widths(index))
     if ARCH_KEY in meta:
         return config_from_dict(meta[ARCH_KEY])
 
@@ -278,15 +341,14 @@ def infer_config(path: Path, index: dict[str, TensorInfo]) -> Pi05Config:
             raise CheckpointError(f"cannot infer the architecture: no tensors under {prefix}")
         return max(ids) + 1
 
-    def gemma(variant: str, prefix: str, width: int) -> GemmaConfig:
-        if variant not in _VARIANTS:
-            raise CheckpointError(f"unknown Gemma variant {variant!r} in config.json (known: {sorted(_VARIANTS)})")
-        heads, kv_heads, head_dim = _VARIANTS[variant]
-        mlp = shape(prefix + "0.mlp.gate_proj.weight")[0]
-        return GemmaConfig(width=width, depth=depth(prefix), mlp_dim=mlp, num_heads=heads,
-                           num_kv_heads=kv_heads, head_dim=head_dim)
+    def gemma(tower: str, prefix: str) -> GemmaConfig:
+        # Without a variant name pi0.5's geometry is assumed (both variants share it).
+        v = GEMMA_VARIANTS[variant(meta, tower) or ("gemma_2b" if tower == "vlm" else "gemma_300m")]
+        mlp, width = shape(prefix + "0.mlp.gate_proj.weight")
+        return GemmaConfig(width=width, depth=depth(prefix), mlp_dim=mlp, num_heads=v.num_heads,
+                           num_kv_heads=v.num_kv_heads, head_dim=v.head_dim)
 
-    vocab, vlm_width = shape(_LM + "embed_tokens.weight")
+    vocab = shape(embedding_key(index))[0]
     vw = shape(_VIS + "embeddings.patch_embedding.weight")
     if vw[0] not in _SIGLIP_HEADS:
         raise CheckpointError(f"unknown SigLIP width {vw[0]} (known: {sorted(_SIGLIP_HEADS)})")
@@ -295,21 +357,18 @@ def infer_config(path: Path, index: dict[str, TensorInfo]) -> Pi05Config:
     vision = SiglipConfig(width=vw[0], depth=depth(_VIS + "encoder.layers."),
                           mlp_dim=shape(_VIS + "encoder.layers.0.mlp.fc1.weight")[0],
                           num_heads=_SIGLIP_HEADS[vw[0]], patch_size=vw[2], image_size=image_size)
-    expert_width = shape("action_in_proj.weight")[0]
-    feats = meta.get("input_features", {})
-    cams = sum(1 for f in feats.values() if isinstance(f, dict) and f.get("type") == "VISUAL")
-    cams += int(meta.get("empty_cameras", 0))
     cfg = Pi05Config(
         vision=vision,
-        vlm=gemma(meta.get("paligemma_variant", "gemma_2b"), _LM + "layers.", vlm_width),
-        expert=gemma(meta.get("action_expert_variant", "gemma_300m"), _EXP + "model.layers.", expert_width),
+        vlm=gemma("vlm", _LM + "layers."),
+        expert=gemma("expert", _EXP + "model.layers."),
         vocab_size=vocab,
-        chunk_size=int(meta.get("chunk_size", 50)),
+        # LeRobot spells the chunk chunk_size, openpi action_horizon.
+        chunk_size=int(meta.get("chunk_size", meta.get("action_horizon", 50))),
         action_dim=shape("action_in_proj.weight")[1],
         max_state_dim=int(meta.get("max_state_dim", 32)),
         num_steps=int(meta.get("num_inference_steps", 10)),
         max_token_len=int(meta.get("tokenizer_max_length", 200)),
-        num_cameras=max(cams, 1),
+        num_cameras=max(camera_layout(meta).total, 1),
         min_period=float(meta.get("min_period", 4e-3)),
         max_period=float(meta.get("max_period", 4.0)),
         retrieval_layer=min(15, depth(_VIS + "encoder.layers.")),
@@ -333,11 +392,14 @@ def config_from_dict(d: dict) -> Pi05Config:
 # --------------------------------------------------------------------------- validation + load
 def validate(cfg: Pi05Config, index: dict[str, TensorInfo], where: Path) -> None:
     """Refuse the checkpoint unless it holds exactly the expected tensors, shapes and dtypes."""
+    embedding = embedding_key(index)
     expected: dict[str, tuple[int, ...]] = {}
-    for grp in layout_groups(cfg):
+    for grp in layout_groups(cfg, embedding):
         expected.update(zip(grp.public, grp.shapes))
     expected.update(unused_keys(cfg))
-    missing = sorted(k for k in expected if k not in index)
+    optional = optional_keys(cfg, embedding)
+    expected.update(optional)
+    missing = sorted(k for k in expected if k not in index and k not in optional)
     unexpected = sorted(k for k in index if k not in expected)
     misshaped = sorted(f"{k}: expected {expected[k]}, found {index[k].shape}"
                        for k in expected if k in index and index[k].shape != expected[k])
@@ -392,7 +454,7 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32, device
     handles = {f: safe_open(str(f), framework="pt", device="cpu") for f in files}
     state: dict[str, torch.Tensor] = {}
     try:
-        for grp in layout_groups(cfg):
+        for grp in layout_groups(cfg, embedding_key(index)):
             parts = [handles[index[k].file].get_tensor(index[k].raw_key) for k in grp.public]
             state[grp.internal] = grp.to_internal(parts).to(device=device, dtype=dtype)
     except Exception as e:  # a damaged payload surfaces here, with the file in the message
@@ -433,8 +495,7 @@ def save_checkpoint(model: Pi05Model, directory: str | Path, layout: str = "lero
     save_file(tensors, str(directory / "model.safetensors"))
     meta = {
         "type": "pi05",
-        "paligemma_variant": "gemma_2b",
-        "action_expert_variant": "gemma_300m",
+        **variant_names(cfg.vlm, cfg.expert),
         "chunk_size": cfg.chunk_size,
         "n_action_steps": cfg.chunk_size,
         "max_state_dim": cfg.max_state_dim,

@@ -37,6 +37,15 @@ logger = logging.getLogger(__name__)
 
 LEROBOT_EPS = 1e-8
 """``_NormalizationMixin.eps`` default in LeRobot 0.6.1."""
+OPENPI_EPS = 1e-6
+"""The constant openpi's ``Normalize`` / ``Unnormalize`` transforms add to the range or std."""
+
+# How eps enters the arithmetic. LeRobot substitutes eps for an exactly-zero quantile range and
+# leaves it out of the mean/std inverse; openpi adds eps to the range (q99 - q01 + eps) and to the
+# std in both directions. The difference is ~1e-6 relative: small, but a port should be exact.
+CONVENTION_LEROBOT = "lerobot"
+CONVENTION_OPENPI = "openpi"
+CONVENTIONS = (CONVENTION_LEROBOT, CONVENTION_OPENPI)
 
 PREPROCESSOR_CONFIG = "policy_preprocessor.json"
 POSTPROCESSOR_CONFIG = "policy_postprocessor.json"
@@ -122,9 +131,17 @@ def _trim_output(y: torch.Tensor, dim: int) -> torch.Tensor:
     return y[..., :dim]
 
 
-def _range_denominator(low: torch.Tensor, high: torch.Tensor, x: torch.Tensor, eps: float) -> torch.Tensor:
+def _range_denominator(low: torch.Tensor, high: torch.Tensor, x: torch.Tensor, eps: float,
+                       convention: str = CONVENTION_LEROBOT) -> torch.Tensor:
     d = _stat_like(high, x) - _stat_like(low, x)
+    if convention == CONVENTION_OPENPI:
+        return d + eps
     return torch.where(d == 0, torch.tensor(eps, device=x.device, dtype=x.dtype), d)
+
+
+def _check_convention(convention: str) -> None:
+    if convention not in CONVENTIONS:
+        raise ValueError(f"convention must be one of {CONVENTIONS}, got {convention!r}")
 
 
 def _validate_range(low_name: str, low: torch.Tensor, high_name: str, high: torch.Tensor) -> None:
@@ -142,17 +159,20 @@ class QuantileNormalizer:
     """LeRobot ``QUANTILES`` mode: [q01, q99] -> [-1, 1], unclipped (pi0.5's default).
 
     Also used for ``QUANTILE10`` with the 10th/90th percentiles passed as q01/q99: LeRobot's
-    arithmetic for the two modes is identical.
+    arithmetic for the two modes is identical. With ``convention="openpi"`` the range is
+    ``q99 - q01 + eps`` (openpi's quantile normalisation, eps ``OPENPI_EPS``).
     """
 
     q01: torch.Tensor
     q99: torch.Tensor
     eps: float = LEROBOT_EPS
+    convention: str = CONVENTION_LEROBOT
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "q01", _as_stat("q01", self.q01))
         object.__setattr__(self, "q99", _as_stat("q99", self.q99))
         _validate_range("q01", self.q01, "q99", self.q99)
+        _check_convention(self.convention)
 
     @property
     def dim(self) -> int:
@@ -160,12 +180,12 @@ class QuantileNormalizer:
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         x = _as_float_input(x, self.dim, "normalize")
-        d = _range_denominator(self.q01, self.q99, x, self.eps)
+        d = _range_denominator(self.q01, self.q99, x, self.eps, self.convention)
         return 2.0 * (x - _stat_like(self.q01, x)) / d - 1.0
 
     def unnormalize(self, y: torch.Tensor) -> torch.Tensor:
         y = _trim_output(y, self.dim)
-        d = _range_denominator(self.q01, self.q99, y, self.eps)
+        d = _range_denominator(self.q01, self.q99, y, self.eps, self.convention)
         return (y + 1.0) * d / 2.0 + _stat_like(self.q01, y)
 
 
@@ -202,12 +222,14 @@ class MeanStdNormalizer:
     """LeRobot ``MEAN_STD`` mode: ``(x - mean) / (std + eps)``; inverse ``y * std + mean``.
 
     The inverse deliberately omits eps, as LeRobot's does, so a round trip is exact only
-    up to a relative 1e-8 / std.
+    up to a relative 1e-8 / std. With ``convention="openpi"`` the inverse is
+    ``y * (std + eps) + mean``, as openpi's ``Unnormalize``.
     """
 
     mean: torch.Tensor
     std: torch.Tensor
     eps: float = LEROBOT_EPS
+    convention: str = CONVENTION_LEROBOT
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mean", _as_stat("mean", self.mean))
@@ -218,6 +240,7 @@ class MeanStdNormalizer:
             )
         if (self.std < 0).any():
             raise ValueError(f"std must be >= 0, got {self.std.tolist()}")
+        _check_convention(self.convention)
 
     @property
     def dim(self) -> int:
@@ -229,7 +252,8 @@ class MeanStdNormalizer:
 
     def unnormalize(self, y: torch.Tensor) -> torch.Tensor:
         y = _trim_output(y, self.dim)
-        return y * _stat_like(self.std, y) + _stat_like(self.mean, y)
+        scale = _stat_like(self.std, y) + (self.eps if self.convention == CONVENTION_OPENPI else 0.0)
+        return y * scale + _stat_like(self.mean, y)
 
 
 @dataclass(frozen=True)
@@ -283,6 +307,13 @@ class LeRobotNormalization:
         if ftype is None:
             return default
         return self.norm_map.get(ftype, MODE_IDENTITY)
+
+    def checkpoint_mode(self, feature: str, default_type: str) -> str:
+        """The mode for ``feature`` as loading applies it: pi0.5's QUANTILES when no ``norm_map``
+        was recorded (JSON absent), else the mapped mode of its type (``default_type`` if unlisted)."""
+        if not self.norm_map:
+            return MODE_QUANTILES
+        return self.norm_map.get(self.feature_types.get(feature, default_type), MODE_IDENTITY)
 
 
 def _unflatten_stats(flat: dict[str, torch.Tensor], source: Path) -> Stats:
@@ -432,16 +463,15 @@ def normalizers_from_checkpoint(
 
     Without a recorded ``norm_map`` (JSON absent) pi0.5's QUANTILES is assumed.
     """
-    norm = load_lerobot_normalization(ckpt_dir)
+    return lerobot_normalizers(load_lerobot_normalization(ckpt_dir), state_key, action_key)
 
-    def mode(feature: str, default_type: str) -> str:
-        if not norm.norm_map:
-            return MODE_QUANTILES
-        return norm.norm_map.get(norm.feature_types.get(feature, default_type), MODE_IDENTITY)
 
+def lerobot_normalizers(norm: LeRobotNormalization, state_key: str = "observation.state",
+                        action_key: str = "action") -> tuple[Normalizer, Normalizer]:
+    """``(state_normalizer, action_normalizer)`` from loaded LeRobot statistics, in their recorded modes."""
     return (
-        make_normalizer(norm.stats, state_key, mode(state_key, "STATE"), eps=norm.eps),
-        make_normalizer(norm.stats, action_key, mode(action_key, "ACTION"), eps=norm.eps),
+        make_normalizer(norm.stats, state_key, norm.checkpoint_mode(state_key, "STATE"), eps=norm.eps),
+        make_normalizer(norm.stats, action_key, norm.checkpoint_mode(action_key, "ACTION"), eps=norm.eps),
     )
 
 

@@ -60,6 +60,7 @@ class EngineSpec:
     device: str = "cpu"
     threads: int | None = None
     share_weights: bool = True   # CPU: every node maps one file of fused weights instead of a copy each
+    norm_asset: str | None = None  # openpi checkpoints: which assets/<id>/norm_stats.json (needed if several)
 
 
 @dataclass(frozen=True)
@@ -207,6 +208,8 @@ class RobotProfile:
             raise bad("engine.threads", f"must be null or an int in [1, 256], got {e.threads!r}")
         if not isinstance(e.share_weights, bool):
             raise bad("engine.share_weights", f"must be true or false, got {e.share_weights!r}")
+        if e.norm_asset is not None and not (isinstance(e.norm_asset, str) and e.norm_asset.strip()):
+            raise bad("engine.norm_asset", f"must be null or a non-empty asset id, got {e.norm_asset!r}")
         return self
 
 

@@ -153,7 +153,8 @@ def load_policy(checkpoint: str | Path, engine: EngineSpec, cameras: Sequence[st
         torch.set_num_threads(engine.threads)
     policy = Pi05Policy.from_checkpoint(checkpoint, camera_names=list(cameras), dtype=DTYPES[engine.dtype],
                                         device=engine.device,
-                                        share_weights=engine.share_weights and engine.device == "cpu")
+                                        share_weights=engine.share_weights and engine.device == "cpu",
+                                        norm_asset=engine.norm_asset)
     problem = checkpoint_mismatch(policy, engine.preset, state_dim)
     if problem:
         raise ValueError(f"checkpoint {checkpoint} does not match the profile: {problem}")
