@@ -33,6 +33,16 @@ def _camera_topics(items: list[str]) -> dict[str, str]:
     return out
 
 
+def _add_dataset_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dataset", default=None, metavar="DIR",
+                   help="a local LeRobot dataset (codebase v3.0) instead of bags: one episode per dataset episode")
+    p.add_argument("--episodes", default=None, metavar="SEL",
+                   help="with --dataset: which episodes, e.g. 0-49 or 3,7,10-12 (default: all)")
+    p.add_argument("--feature", action="append", default=[], metavar="MODEL_KEY=DATASET_KEY",
+                   help="with --dataset: the dataset feature for a model input (camera name, observation.state, "
+                        "action); default: the checkpoint's config.json names (or the robot profile's dataset section)")
+
+
 def _bench(args: argparse.Namespace) -> int:
     if args.stream:
         from .tools.bench import write_json as write_stream
@@ -104,25 +114,61 @@ def _build_cache_topics(args: argparse.Namespace) -> tuple[BagTopics, str]:
                      outcome=args.outcome_topic or None), args.checkpoint
 
 
+def _dataset_refs(args: argparse.Namespace, checkpoint: str, profile=None):
+    """The policy and the selected episodes of ``--dataset``, the features mapped (profile or
+    checkpoint, then ``--feature``) and checked against the dataset and the checkpoint."""
+    from .engine.policy import Pi05Policy
+    from .io.dataset_features import resolve_features
+    from .io.episode_sources import dataset_refs
+    from .io.lerobot_dataset import LeRobotDatasetReader
+
+    reader = LeRobotDatasetReader(args.dataset)
+    features = resolve_features(checkpoint, profile, args.feature)
+    policy = Pi05Policy.from_checkpoint(checkpoint, camera_names=list(features.cameras))
+    features.check(reader, policy.state_dim, policy.action_norm.dim)
+    refs = dataset_refs(reader, features, args.episodes)
+    _log(f"dataset {args.dataset}: {len(refs)} of {len(reader.episodes)} episode(s) at {reader.fps:g} fps; "
+         f"cameras {features.cameras}, state {features.state!r}, action {features.action!r}")
+    return policy, refs
+
+
 def _build_cache(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .cache.builder import BuildConfig, admit_episode, build_repository
+    from .cache.builder import BuildConfig, admit_reference, build_repository_from
     from .cache.repository import ReferenceRepository
     from .engine.policy import Pi05Policy
     from .io.bags import list_episode_bags
+    from .io.episode_sources import bag_refs
 
-    topics, checkpoint = _build_cache_topics(args)
-    policy = Pi05Policy.from_checkpoint(checkpoint, camera_names=list(topics.cameras))
-    bags = list_episode_bags(args.bags)
+    if args.dataset:
+        if args.bags or args.camera or args.state_topic or args.instruction_topic:
+            raise ValueError("--dataset reads a LeRobot dataset: drop --bags and the topic flags")
+        profile = None
+        if args.robot_profile:
+            from .nodes.profile import load_profile
+
+            profile = load_profile(args.robot_profile)
+        checkpoint = args.checkpoint or (profile.engine.checkpoint if profile else None)
+        if not checkpoint:
+            raise ValueError("--checkpoint is needed (or --robot-profile with engine.checkpoint)")
+        policy, refs = _dataset_refs(args, checkpoint, profile)
+    else:
+        if not args.bags:
+            raise ValueError("build-cache needs --bags or --dataset")
+        if args.episodes or args.feature:
+            raise ValueError("--episodes and --feature select from a --dataset")
+        topics, checkpoint = _build_cache_topics(args)
+        policy = Pi05Policy.from_checkpoint(checkpoint, camera_names=list(topics.cameras))
+        refs = bag_refs(list_episode_bags(args.bags), topics)
     if args.admit:
         repo = ReferenceRepository.open(args.out, expect_checkpoint_hash=policy.checkpoint_hash)
-        for bag in bags:
-            admit_episode(policy, repo, bag, topics, args.call_period, args.max_episodes_per_task, log=_log)
+        for ref in refs:
+            admit_reference(policy, repo, ref, args.call_period, args.max_episodes_per_task, log=_log)
         return 0
-    summary = build_repository(policy, policy.checkpoint_hash, bags, Path(args.out), topics, args.call_period,
-                               BuildConfig(rho_n=args.rho_n, history_len=args.history), args.profile,
-                               tolerance=args.tolerance, adopt_profiled=args.adopt_profiled, log=_log)
+    summary = build_repository_from(policy, policy.checkpoint_hash, refs, Path(args.out), args.call_period,
+                                    BuildConfig(rho_n=args.rho_n, history_len=args.history), args.profile,
+                                    tolerance=args.tolerance, adopt_profiled=args.adopt_profiled, log=_log)
     text = json.dumps(summary.as_dict(), indent=2)
     if args.summary:
         Path(args.summary).parent.mkdir(parents=True, exist_ok=True)
@@ -273,10 +319,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="incremental vs full-recompute prefill of a K-frame observation history (--preset, --repeats)")
     b.set_defaults(func=_bench)
 
-    c = sub.add_parser("build-cache", help="build a reference repository from recorded episodes (rosbag2)")
+    c = sub.add_parser("build-cache", help="build a reference repository from recorded episodes (rosbag2 bags or a "
+                                           "LeRobot v3.0 dataset)")
     c.add_argument("--checkpoint", default=None,
                    help="the checkpoint the repository is tied to (default with --robot-profile: its engine.checkpoint)")
-    c.add_argument("--bags", required=True, help="a bag or a directory of episode bags")
+    c.add_argument("--bags", default=None, help="a bag or a directory of episode bags")
+    _add_dataset_args(c)
     c.add_argument("--out", required=True, help="repository directory (must not exist, unless --admit)")
     c.add_argument("--robot-profile", dest="robot_profile", default=None, metavar="YAML",
                    help="robot profile (config/<robot>.yaml): camera, joint-state and instruction topics and the joint "
