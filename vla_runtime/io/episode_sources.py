@@ -103,8 +103,9 @@ class DatasetRef:
         rel = stamps - stamps[0]
         # k * period vs timestamps stored as float32: half the decoder's tolerance absorbs the rounding,
         # far below a frame period, so a frame stamped at a call time counts as already there.
-        calls = np.arange(int(math.floor(rel[-1] / call_period + 1e-9)) + 1) * call_period
-        frames = np.searchsorted(rel, calls + r.tolerance_s / 2, side="right") - 1
+        slack = r.tolerance_s / 2
+        calls = np.arange(int(math.floor((rel[-1] + slack) / call_period)) + 1) * call_period
+        frames = np.searchsorted(rel, calls + slack, side="right") - 1
         states = r.vectors(table, fm.state)
         actions = r.vectors(table, fm.action)
         for part, values in (("state", states), ("action", actions)):

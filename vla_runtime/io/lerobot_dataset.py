@@ -177,11 +177,13 @@ class LeRobotDatasetReader:
 
     # ------------------------------------------------------------------ frames
     def rows(self, index: int, columns: Sequence[str]) -> pa.Table:
-        """The episode's rows (only ``columns`` and the index columns), in frame order."""
+        """The episode's rows (the index columns and ``columns``, video features left out: their
+        frames are in the mp4 files), in frame order."""
         ep = self.episode(index)
         if not ep.data_path.is_file():
             raise DatasetError(f"episode {index}: data file {ep.data_path} is missing")
-        wanted = list(dict.fromkeys([*fmt.INDEX_COLUMNS, *columns]))
+        stored = [c for c in columns if c not in self.features or self.features[c].dtype != "video"]
+        wanted = list(dict.fromkeys([*fmt.INDEX_COLUMNS, *stored]))
         schema = pq.read_schema(ep.data_path)
         missing = [c for c in wanted if c not in schema.names]
         if missing:

@@ -43,3 +43,16 @@ def write_test_dataset(root: str | Path, codec: str = "h264", episodes: list[Dat
     episodes = synthetic_episodes() if episodes is None else episodes
     return write_lerobot_dataset(root, episodes, WriterConfig(fps=FPS, video_keys=VIDEO_CAMERAS, codec=codec,
                                                               episodes_per_file=2, robot_type="sim"))
+
+
+def write_test_checkpoint(path: str | Path, episodes: list[DatasetEpisodeData], preset_name: str = "pi05-tiny") -> Path:
+    """A random-weight checkpoint whose ``config.json`` names ``observation.images.cam0``/``cam1``
+    (the first two cameras of the dataset), with the dataset's state/action statistics."""
+    from ..models.config import preset
+    from ..tools.demo import write_random_checkpoint
+
+    path = Path(path)
+    states = np.concatenate([ep.state for ep in episodes])
+    actions = np.concatenate([ep.action for ep in episodes])
+    write_random_checkpoint(path, preset(preset_name), list(TASKS), states, actions, ("cam0", "cam1"))
+    return path
