@@ -67,10 +67,17 @@ def _bench(args: argparse.Namespace) -> int:
         from .tools.bench import write_json as write
         from .tools.cache_bench import CacheBenchSpec, run_cache_bench
 
-        if not (args.checkpoint and args.bags and args.camera):
-            raise ValueError("--cache needs --checkpoint, --bags and --camera NAME=/topic")
-        spec = CacheBenchSpec(checkpoint=args.checkpoint, repository=args.cache, bags=args.bags,
-                              cameras=_camera_topics(args.camera), call_period=args.call_period, rho_p=args.rho_p,
+        if args.dataset:
+            if not args.checkpoint or args.bags or args.camera:
+                raise ValueError("--cache --dataset needs --checkpoint (cameras come from its config.json or "
+                                 "--feature); drop --bags and --camera")
+            source = {"dataset": args.dataset, "episodes": args.episodes, "features": tuple(args.feature)}
+        else:
+            if not (args.checkpoint and args.bags and args.camera):
+                raise ValueError("--cache needs --checkpoint and --bags with --camera NAME=/topic, or --dataset")
+            source = {"bags": args.bags, "cameras": _camera_topics(args.camera)}
+        spec = CacheBenchSpec(checkpoint=args.checkpoint, repository=args.cache, **source,
+                              call_period=args.call_period, rho_p=args.rho_p,
                               time_available_s=args.time_available, threads=args.threads, seed=args.seed)
         write(run_cache_bench(spec, log=_log), args.out)
         return 0
@@ -114,24 +121,6 @@ def _build_cache_topics(args: argparse.Namespace) -> tuple[BagTopics, str]:
                      outcome=args.outcome_topic or None), args.checkpoint
 
 
-def _dataset_refs(args: argparse.Namespace, checkpoint: str, profile=None):
-    """The policy and the selected episodes of ``--dataset``, the features mapped (profile or
-    checkpoint, then ``--feature``) and checked against the dataset and the checkpoint."""
-    from .engine.policy import Pi05Policy
-    from .io.dataset_features import resolve_features
-    from .io.episode_sources import dataset_refs
-    from .io.lerobot_dataset import LeRobotDatasetReader
-
-    reader = LeRobotDatasetReader(args.dataset)
-    features = resolve_features(checkpoint, profile, args.feature)
-    policy = Pi05Policy.from_checkpoint(checkpoint, camera_names=list(features.cameras))
-    features.check(reader, policy.state_dim, policy.action_norm.dim)
-    refs = dataset_refs(reader, features, args.episodes)
-    _log(f"dataset {args.dataset}: {len(refs)} of {len(reader.episodes)} episode(s) at {reader.fps:g} fps; "
-         f"cameras {features.cameras}, state {features.state!r}, action {features.action!r}")
-    return policy, refs
-
-
 def _build_cache(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -139,7 +128,7 @@ def _build_cache(args: argparse.Namespace) -> int:
     from .cache.repository import ReferenceRepository
     from .engine.policy import Pi05Policy
     from .io.bags import list_episode_bags
-    from .io.episode_sources import bag_refs
+    from .io.episode_sources import bag_refs, open_dataset
 
     if args.dataset:
         if args.bags or args.camera or args.state_topic or args.instruction_topic:
@@ -152,7 +141,7 @@ def _build_cache(args: argparse.Namespace) -> int:
         checkpoint = args.checkpoint or (profile.engine.checkpoint if profile else None)
         if not checkpoint:
             raise ValueError("--checkpoint is needed (or --robot-profile with engine.checkpoint)")
-        policy, refs = _dataset_refs(args, checkpoint, profile)
+        policy, refs = open_dataset(args.dataset, checkpoint, profile, args.feature, args.episodes, log=_log)
     else:
         if not args.bags:
             raise ValueError("build-cache needs --bags or --dataset")
@@ -187,9 +176,27 @@ def _demo_data(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
+    if args.dataset:
+        from .tools.open_loop import OpenLoopSpec, open_loop_main
+
+        if args.in_bag:
+            raise ValueError("replay takes an input bag or --dataset, not both")
+        spec = OpenLoopSpec(dataset=args.dataset, out=args.out, checkpoint=args.checkpoint, profile=args.profile,
+                            repository=args.repository, episodes=args.episodes, features=args.feature,
+                            call_period=args.call_period, n_execute=args.n_execute, seed=args.seed, rho_p=args.rho_p,
+                            storage=args.storage, overwrite=args.overwrite, golden=args.golden,
+                            tolerance=args.tolerance)
+        return open_loop_main(spec, log=_log)
     from .tools.replay import ReplaySpec, replay_main
 
-    spec = ReplaySpec(in_bag=args.in_bag, out_bag=args.out, profile=args.profile, checkpoint=args.checkpoint,
+    if not args.in_bag:
+        raise ValueError("replay needs an input bag (or --dataset DIR)")
+    given = [flag for flag, value in (("--repository", args.repository), ("--n-execute", args.n_execute),
+                                      ("--episodes", args.episodes), ("--feature", args.feature)) if value]
+    if given:
+        raise ValueError(f"{', '.join(given)}: only with --dataset (open-loop evaluation)")
+    spec = ReplaySpec(in_bag=args.in_bag, out_bag=args.out, profile=args.profile or "config/sim.yaml",
+                      checkpoint=args.checkpoint,
                       call_period=args.call_period, seed=args.seed, realtime=args.realtime, storage=args.storage,
                       overwrite=args.overwrite, golden=args.golden, tolerance=args.tolerance)
     return replay_main(spec, log=_log)
@@ -297,6 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--cache", default=None, metavar="REPO",
                    help="dense vs cached on recorded episodes (--bags) with this reference repository")
     b.add_argument("--bags", default=None, help="with --cache: directory of held-out episode bags")
+    _add_dataset_args(b)
     b.add_argument("--camera", action="append", default=[], metavar="NAME=/topic", help="with --cache: camera topics, in order")
     b.add_argument("--call-period", dest="call_period", type=float, default=0.5, help="seconds between policy calls")
     b.add_argument("--rho-p", dest="rho_p", type=float, default=0.4, help="fraction of visual tokens recomputed")
@@ -367,10 +375,20 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=_demo_data)
 
     rp = sub.add_parser("replay", help="run the policy over a recorded episode bag at its recorded timing; write "
-                                       "chunks and latencies to a bag, optionally compare with a golden bag (JSON)")
-    rp.add_argument("in_bag", help="input episode bag (rosbag2 directory, .db3 or .mcap)")
-    rp.add_argument("--out", required=True, help="output bag (must not exist, unless --overwrite)")
-    rp.add_argument("--profile", default="config/sim.yaml", help="robot profile YAML: topics, joints, checkpoint")
+                                       "chunks and latencies to a bag, optionally compare with a golden bag (JSON); "
+                                       "with --dataset: open-loop errors against a LeRobot dataset's actions")
+    rp.add_argument("in_bag", nargs="?", default=None, help="input episode bag (rosbag2 directory, .db3 or .mcap)")
+    rp.add_argument("--out", required=True, help="output bag (must not exist, unless --overwrite); with --dataset: "
+                                                 "a folder for open_loop.json and one chunk bag per episode")
+    rp.add_argument("--profile", default=None, help="robot profile YAML: topics, joints, checkpoint (bags: default "
+                                                    "config/sim.yaml; --dataset: optional, its dataset section names "
+                                                    "the features)")
+    _add_dataset_args(rp)
+    rp.add_argument("--repository", default=None, help="with --dataset: run cached beside dense with this reference "
+                                                       "repository (same noise): hit rate, fallbacks, cached errors")
+    rp.add_argument("--rho-p", dest="rho_p", type=float, default=0.4, help="with --repository: Context Cache fraction")
+    rp.add_argument("--n-execute", dest="n_execute", type=int, default=None,
+                    help="with --dataset: chunk rows scored per call (default: the frames until the next call)")
     rp.add_argument("--checkpoint", default=None, help="checkpoint directory (default: the profile's engine.checkpoint)")
     rp.add_argument("--call-period", dest="call_period", type=float, default=0.5,
                     help="seconds of bag time between policy calls")
@@ -381,7 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
     pace.add_argument("--realtime", dest="realtime", action="store_true", help="sleep to keep the bag's timing")
     rp.add_argument("--storage", default="sqlite3", choices=["sqlite3", "mcap"], help="output bag storage")
     rp.add_argument("--overwrite", action="store_true", help="replace an existing output bag")
-    rp.add_argument("--golden", default=None, help="regression mode: compare the chunks with this bag's (exit 2 on drift)")
+    rp.add_argument("--golden", default=None, help="regression mode: compare the chunks with this bag's (exit 2 on drift); "
+                                                   "with --dataset: an earlier --out folder")
     rp.add_argument("--tolerance", type=float, default=1e-4, help="with --golden: max abs action difference")
     rp.set_defaults(func=_replay)
 

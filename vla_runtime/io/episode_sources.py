@@ -18,13 +18,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 import numpy as np
 
 from .bags import BagTopics, Episode, EpisodeFrame, read_episode
-from .dataset_features import FeatureMap
+from .dataset_features import FeatureMap, resolve_features
 from .lerobot_dataset import DatasetError, LeRobotDatasetReader
+
+if TYPE_CHECKING:
+    from ..nodes.profile import RobotProfile
 
 
 class EpisodeRef(Protocol):
@@ -155,3 +158,20 @@ def parse_episode_selection(text: str | None, available: Sequence[int]) -> list[
 
 def dataset_refs(reader: LeRobotDatasetReader, features: FeatureMap, episodes: str | None = None) -> list[DatasetRef]:
     return [DatasetRef(reader, i, features) for i in parse_episode_selection(episodes, list(reader.episodes))]
+
+
+def open_dataset(root: str | Path, checkpoint: str | Path, profile: "RobotProfile | None" = None,
+                 overrides: Sequence[str] = (), episodes: str | None = None, log=lambda m: None):
+    """The policy and the selected episodes of a dataset, the features mapped (the profile's
+    ``dataset`` section or the checkpoint's ``config.json``, then ``overrides``) and checked
+    against the dataset and the checkpoint's state/action sizes before anything runs."""
+    from ..engine.policy import Pi05Policy
+
+    reader = LeRobotDatasetReader(root)
+    features = resolve_features(checkpoint, profile, overrides)
+    policy = Pi05Policy.from_checkpoint(checkpoint, camera_names=list(features.cameras))
+    features.check(reader, policy.state_dim, policy.action_norm.dim)
+    refs = dataset_refs(reader, features, episodes)
+    log(f"dataset {root}: {len(refs)} of {len(reader.episodes)} episode(s) at {reader.fps:g} fps; cameras "
+        f"{features.cameras}, state {features.state!r}, action {features.action!r}")
+    return policy, refs
