@@ -104,3 +104,20 @@ def test_cli_refuses_other_versions(files, tmp_path, capsys):
     assert main(["build-cache", "--dataset", str(ds), "--checkpoint", files["checkpoint"],
                  "--out", str(tmp_path / "r")]) == 2
     assert "codebase version 'v2.1' is not supported" in capsys.readouterr().err
+
+
+def test_bench_cache_on_dataset_episodes(files, tmp_path, capsys):
+    repo = tmp_path / "repo"
+    assert main(["build-cache", "--dataset", files["dataset"], "--checkpoint", files["checkpoint"], "--out", str(repo),
+                 "--episodes", "0,1"]) == 0
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--cache", str(repo), "--checkpoint", files["checkpoint"], "--dataset", files["dataset"],
+                 "--episodes", "2", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["calls"] == CALLS_PER_EPISODE and r["spec"]["dataset"] == files["dataset"]
+    assert r["cached_calls"] + sum(r["dense_reasons"].values()) == r["calls"]
+    assert set(r["median_s"]["dense"]) >= {"vision", "prefill", "denoise", "total"}
+    assert "[1/1] episode_000002" in capsys.readouterr().err
+    assert main(["bench", "--cache", str(repo), "--checkpoint", files["checkpoint"], "--dataset", files["dataset"],
+                 "--bags", "x"]) == 2
+    assert "drop --bags and --camera" in capsys.readouterr().err
