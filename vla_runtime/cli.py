@@ -227,6 +227,7 @@ def _eval(args: argparse.Namespace) -> int:
                     reference_seed=args.reference_seed, pose_band=band(args.pose_band),
                     reference_band=band(args.reference_band), n_execute=args.n_execute, max_steps=args.max_steps,
                     processes=args.processes, modes=tuple(args.modes.split(",")), repository=args.repository,
+                    reference_dataset=args.reference_dataset,
                     rho_p=args.rho_p, rho_n=args.rho_n, profile_episodes=args.profile_episodes,
                     tolerance=args.tolerance, caches=tuple(args.caches.split(",")), seed=args.seed,
                     min_similarity=args.min_similarity, first_scene_floor=args.first_scene_floor,
@@ -441,6 +442,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma-separated: dense, cached, resampled (the dense policy on other noise: how many "
                          "outcomes other noise alone changes, the scale for cached vs dense)")
     ev.add_argument("--repository", default=None, help="an existing reference repository (skips recording references)")
+    ev.add_argument("--reference-dataset", dest="reference_dataset", default=None, metavar="DIR",
+                    help="build the repository from this LeRobot dataset's episodes of the evaluated tasks (e.g. "
+                         "metaworld_demos --format lerobot) instead of recording dense reference episodes")
     ev.add_argument("--rho-p", dest="rho_p", type=float, default=None,
                     help="Context Cache recompute fraction (default: profiled when the repository is built here, "
                          "else 0.4)")
