@@ -33,6 +33,16 @@ def _camera_topics(items: list[str]) -> dict[str, str]:
     return out
 
 
+def _add_dataset_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dataset", default=None, metavar="DIR",
+                   help="a local LeRobot dataset (codebase v3.0) instead of bags: one episode per dataset episode")
+    p.add_argument("--episodes", default=None, metavar="SEL",
+                   help="with --dataset: which episodes, e.g. 0-49 or 3,7,10-12 (default: all)")
+    p.add_argument("--feature", action="append", default=[], metavar="MODEL_KEY=DATASET_KEY",
+                   help="with --dataset: the dataset feature for a model input (camera name, observation.state, "
+                        "action); default: the checkpoint's config.json names (or the robot profile's dataset section)")
+
+
 def _bench(args: argparse.Namespace) -> int:
     if args.stream:
         from .tools.bench import write_json as write_stream
@@ -57,10 +67,17 @@ def _bench(args: argparse.Namespace) -> int:
         from .tools.bench import write_json as write
         from .tools.cache_bench import CacheBenchSpec, run_cache_bench
 
-        if not (args.checkpoint and args.bags and args.camera):
-            raise ValueError("--cache needs --checkpoint, --bags and --camera NAME=/topic")
-        spec = CacheBenchSpec(checkpoint=args.checkpoint, repository=args.cache, bags=args.bags,
-                              cameras=_camera_topics(args.camera), call_period=args.call_period, rho_p=args.rho_p,
+        if args.dataset:
+            if not args.checkpoint or args.bags or args.camera:
+                raise ValueError("--cache --dataset needs --checkpoint (cameras come from its config.json or "
+                                 "--feature); drop --bags and --camera")
+            source = {"dataset": args.dataset, "episodes": args.episodes, "features": tuple(args.feature)}
+        else:
+            if not (args.checkpoint and args.bags and args.camera):
+                raise ValueError("--cache needs --checkpoint and --bags with --camera NAME=/topic, or --dataset")
+            source = {"bags": args.bags, "cameras": _camera_topics(args.camera)}
+        spec = CacheBenchSpec(checkpoint=args.checkpoint, repository=args.cache, **source,
+                              call_period=args.call_period, rho_p=args.rho_p,
                               time_available_s=args.time_available, threads=args.threads, seed=args.seed)
         write(run_cache_bench(spec, log=_log), args.out)
         return 0
@@ -107,22 +124,40 @@ def _build_cache_topics(args: argparse.Namespace) -> tuple[BagTopics, str]:
 def _build_cache(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .cache.builder import BuildConfig, admit_episode, build_repository
+    from .cache.builder import BuildConfig, admit_reference, build_repository_from
     from .cache.repository import ReferenceRepository
     from .engine.policy import Pi05Policy
     from .io.bags import list_episode_bags
+    from .io.episode_sources import bag_refs, open_dataset
 
-    topics, checkpoint = _build_cache_topics(args)
-    policy = Pi05Policy.from_checkpoint(checkpoint, camera_names=list(topics.cameras))
-    bags = list_episode_bags(args.bags)
+    if args.dataset:
+        if args.bags or args.camera or args.state_topic or args.instruction_topic:
+            raise ValueError("--dataset reads a LeRobot dataset: drop --bags and the topic flags")
+        profile = None
+        if args.robot_profile:
+            from .nodes.profile import load_profile
+
+            profile = load_profile(args.robot_profile)
+        checkpoint = args.checkpoint or (profile.engine.checkpoint if profile else None)
+        if not checkpoint:
+            raise ValueError("--checkpoint is needed (or --robot-profile with engine.checkpoint)")
+        policy, refs = open_dataset(args.dataset, checkpoint, profile, args.feature, args.episodes, log=_log)
+    else:
+        if not args.bags:
+            raise ValueError("build-cache needs --bags or --dataset")
+        if args.episodes or args.feature:
+            raise ValueError("--episodes and --feature select from a --dataset")
+        topics, checkpoint = _build_cache_topics(args)
+        policy = Pi05Policy.from_checkpoint(checkpoint, camera_names=list(topics.cameras))
+        refs = bag_refs(list_episode_bags(args.bags), topics)
     if args.admit:
         repo = ReferenceRepository.open(args.out, expect_checkpoint_hash=policy.checkpoint_hash)
-        for bag in bags:
-            admit_episode(policy, repo, bag, topics, args.call_period, args.max_episodes_per_task, log=_log)
+        for ref in refs:
+            admit_reference(policy, repo, ref, args.call_period, args.max_episodes_per_task, log=_log)
         return 0
-    summary = build_repository(policy, policy.checkpoint_hash, bags, Path(args.out), topics, args.call_period,
-                               BuildConfig(rho_n=args.rho_n, history_len=args.history), args.profile,
-                               tolerance=args.tolerance, adopt_profiled=args.adopt_profiled, log=_log)
+    summary = build_repository_from(policy, policy.checkpoint_hash, refs, Path(args.out), args.call_period,
+                                    BuildConfig(rho_n=args.rho_n, history_len=args.history), args.profile,
+                                    tolerance=args.tolerance, adopt_profiled=args.adopt_profiled, log=_log)
     text = json.dumps(summary.as_dict(), indent=2)
     if args.summary:
         Path(args.summary).parent.mkdir(parents=True, exist_ok=True)
@@ -141,9 +176,27 @@ def _demo_data(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
+    if args.dataset:
+        from .tools.open_loop import OpenLoopSpec, open_loop_main
+
+        if args.in_bag:
+            raise ValueError("replay takes an input bag or --dataset, not both")
+        spec = OpenLoopSpec(dataset=args.dataset, out=args.out, checkpoint=args.checkpoint, profile=args.profile,
+                            repository=args.repository, episodes=args.episodes, features=args.feature,
+                            call_period=args.call_period, n_execute=args.n_execute, seed=args.seed, rho_p=args.rho_p,
+                            storage=args.storage, overwrite=args.overwrite, golden=args.golden,
+                            tolerance=args.tolerance)
+        return open_loop_main(spec, log=_log)
     from .tools.replay import ReplaySpec, replay_main
 
-    spec = ReplaySpec(in_bag=args.in_bag, out_bag=args.out, profile=args.profile, checkpoint=args.checkpoint,
+    if not args.in_bag:
+        raise ValueError("replay needs an input bag (or --dataset DIR)")
+    given = [flag for flag, value in (("--repository", args.repository), ("--n-execute", args.n_execute),
+                                      ("--episodes", args.episodes), ("--feature", args.feature)) if value]
+    if given:
+        raise ValueError(f"{', '.join(given)}: only with --dataset (open-loop evaluation)")
+    spec = ReplaySpec(in_bag=args.in_bag, out_bag=args.out, profile=args.profile or "config/sim.yaml",
+                      checkpoint=args.checkpoint,
                       call_period=args.call_period, seed=args.seed, realtime=args.realtime, storage=args.storage,
                       overwrite=args.overwrite, golden=args.golden, tolerance=args.tolerance)
     return replay_main(spec, log=_log)
@@ -174,6 +227,7 @@ def _eval(args: argparse.Namespace) -> int:
                     reference_seed=args.reference_seed, pose_band=band(args.pose_band),
                     reference_band=band(args.reference_band), n_execute=args.n_execute, max_steps=args.max_steps,
                     processes=args.processes, modes=tuple(args.modes.split(",")), repository=args.repository,
+                    reference_dataset=args.reference_dataset,
                     rho_p=args.rho_p, rho_n=args.rho_n, profile_episodes=args.profile_episodes,
                     tolerance=args.tolerance, caches=tuple(args.caches.split(",")), seed=args.seed,
                     min_similarity=args.min_similarity, first_scene_floor=args.first_scene_floor,
@@ -242,6 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--cache", default=None, metavar="REPO",
                    help="dense vs cached on recorded episodes (--bags) with this reference repository")
     b.add_argument("--bags", default=None, help="with --cache: directory of held-out episode bags")
+    _add_dataset_args(b)
     b.add_argument("--camera", action="append", default=[], metavar="NAME=/topic", help="with --cache: camera topics, in order")
     b.add_argument("--call-period", dest="call_period", type=float, default=0.5, help="seconds between policy calls")
     b.add_argument("--rho-p", dest="rho_p", type=float, default=0.4, help="fraction of visual tokens recomputed")
@@ -264,10 +319,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="incremental vs full-recompute prefill of a K-frame observation history (--preset, --repeats)")
     b.set_defaults(func=_bench)
 
-    c = sub.add_parser("build-cache", help="build a reference repository from recorded episodes (rosbag2)")
+    c = sub.add_parser("build-cache", help="build a reference repository from recorded episodes (rosbag2 bags or a "
+                                           "LeRobot v3.0 dataset)")
     c.add_argument("--checkpoint", default=None,
                    help="the checkpoint the repository is tied to (default with --robot-profile: its engine.checkpoint)")
-    c.add_argument("--bags", required=True, help="a bag or a directory of episode bags")
+    c.add_argument("--bags", default=None, help="a bag or a directory of episode bags")
+    _add_dataset_args(c)
     c.add_argument("--out", required=True, help="repository directory (must not exist, unless --admit)")
     c.add_argument("--robot-profile", dest="robot_profile", default=None, metavar="YAML",
                    help="robot profile (config/<robot>.yaml): camera, joint-state and instruction topics and the joint "
@@ -310,10 +367,20 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=_demo_data)
 
     rp = sub.add_parser("replay", help="run the policy over a recorded episode bag at its recorded timing; write "
-                                       "chunks and latencies to a bag, optionally compare with a golden bag (JSON)")
-    rp.add_argument("in_bag", help="input episode bag (rosbag2 directory, .db3 or .mcap)")
-    rp.add_argument("--out", required=True, help="output bag (must not exist, unless --overwrite)")
-    rp.add_argument("--profile", default="config/sim.yaml", help="robot profile YAML: topics, joints, checkpoint")
+                                       "chunks and latencies to a bag, optionally compare with a golden bag (JSON); "
+                                       "with --dataset: open-loop errors against a LeRobot dataset's actions")
+    rp.add_argument("in_bag", nargs="?", default=None, help="input episode bag (rosbag2 directory, .db3 or .mcap)")
+    rp.add_argument("--out", required=True, help="output bag (must not exist, unless --overwrite); with --dataset: "
+                                                 "a folder for open_loop.json and one chunk bag per episode")
+    rp.add_argument("--profile", default=None, help="robot profile YAML: topics, joints, checkpoint (bags: default "
+                                                    "config/sim.yaml; --dataset: optional, its dataset section names "
+                                                    "the features)")
+    _add_dataset_args(rp)
+    rp.add_argument("--repository", default=None, help="with --dataset: run cached beside dense with this reference "
+                                                       "repository (same noise): hit rate, fallbacks, cached errors")
+    rp.add_argument("--rho-p", dest="rho_p", type=float, default=0.4, help="with --repository: Context Cache fraction")
+    rp.add_argument("--n-execute", dest="n_execute", type=int, default=None,
+                    help="with --dataset: chunk rows scored per call (default: the frames until the next call)")
     rp.add_argument("--checkpoint", default=None, help="checkpoint directory (default: the profile's engine.checkpoint)")
     rp.add_argument("--call-period", dest="call_period", type=float, default=0.5,
                     help="seconds of bag time between policy calls")
@@ -324,7 +391,8 @@ def build_parser() -> argparse.ArgumentParser:
     pace.add_argument("--realtime", dest="realtime", action="store_true", help="sleep to keep the bag's timing")
     rp.add_argument("--storage", default="sqlite3", choices=["sqlite3", "mcap"], help="output bag storage")
     rp.add_argument("--overwrite", action="store_true", help="replace an existing output bag")
-    rp.add_argument("--golden", default=None, help="regression mode: compare the chunks with this bag's (exit 2 on drift)")
+    rp.add_argument("--golden", default=None, help="regression mode: compare the chunks with this bag's (exit 2 on drift); "
+                                                   "with --dataset: an earlier --out folder")
     rp.add_argument("--tolerance", type=float, default=1e-4, help="with --golden: max abs action difference")
     rp.set_defaults(func=_replay)
 
@@ -365,6 +433,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma-separated: dense, cached, resampled (the dense policy on other noise: how many "
                          "outcomes other noise alone changes, the scale for cached vs dense)")
     ev.add_argument("--repository", default=None, help="an existing reference repository (skips recording references)")
+    ev.add_argument("--reference-dataset", dest="reference_dataset", default=None, metavar="DIR",
+                    help="build the repository from this LeRobot dataset's episodes of the evaluated tasks (e.g. "
+                         "metaworld_demos --format lerobot) instead of recording dense reference episodes")
     ev.add_argument("--rho-p", dest="rho_p", type=float, default=None,
                     help="Context Cache recompute fraction (default: profiled when the repository is built here, "
                          "else 0.4)")

@@ -281,3 +281,29 @@ def test_eval_pool_pairs_the_seeds_of_several_runs_once_each(setup, tmp_path, ca
     assert cli_main(["eval-pool", *map(str, runs), "--out", str(tmp_path / "pool.json")]) == 0
     assert "| overall |" in capsys.readouterr().out
     assert json.loads((tmp_path / "pool.json").read_text())["paired"]["overall"]["pairs"] == 2
+
+
+def test_repository_from_a_lerobot_dataset(setup, tmp_path):
+    """eval --reference-dataset: the repository is built from an exported demonstration dataset,
+    one reference call per dataset frame, the same calls (states) as the demonstration's bag."""
+    from vla_runtime.io.bags import list_episode_bags, read_episode
+    from vla_runtime.tools.metaworld_demos import main as demos_main
+
+    demos = tmp_path / "demos"
+    assert demos_main(["--out", str(demos), "--tasks", TASK, "--episodes", "1", "--image-size", "32",
+                       "--workers", "1", "--max-steps", "150", "--format", "lerobot"]) == 0
+    spec = EvalSpec(checkpoint=setup["checkpoint"], out=tmp_path / "out", tasks=(TASK,), episodes=1, image_size=32,
+                    reference_dataset=demos / "lerobot", rho_p=0.4, rho_n=0.5)
+    repo_path, info = eval_tool.build_reference_repository(spec, log=lambda m: None)
+    assert info["reference_successes"] == {TASK: 1} and info["reference_dataset"] == str(demos / "lerobot")
+    repo = ReferenceRepository.open(repo_path)
+    (rec,) = repo.episodes()
+    bag = list_episode_bags(demos)[0]
+    ep = read_episode(bag, bag_topics(DEFAULT_CAMERAS), call_period=4 * 0.0125)
+    assert rec.num_calls == len(ep.frames) and rec.task == TASK_INSTRUCTIONS[TASK]
+    stored = repo.load_episode(rec.episode_id)
+    for i, frame in enumerate(ep.frames):
+        np.testing.assert_array_equal(stored.call(i).state.numpy(), frame.state.astype(np.float32))
+    with pytest.raises(ValueError, match="not both"):
+        EvalSpec(checkpoint=setup["checkpoint"], out=tmp_path / "x", repository=setup["repo"],
+                 reference_dataset=demos / "lerobot")

@@ -82,3 +82,37 @@ def test_dagger_settings_are_validated(tmp_path):
         DemoConfig(beta=1.5).validate()
     with pytest.raises(FileNotFoundError, match="--policy"):
         DemoConfig(policy=str(tmp_path / "none")).validate()
+
+
+def test_lerobot_export_matches_the_bags(tmp_path):
+    """--format lerobot: the dataset's frames are the bags' calls (state and task exact, images
+    within the video codec's loss, the action the expert commanded at that frame's tick)."""
+    from vla_runtime.io.lerobot_dataset import LeRobotDatasetReader
+    from vla_runtime.io.bags import list_episode_bags
+
+    assert main(["--out", str(tmp_path), "--tasks", "handle-press-v3", "--episodes", "2", "--image-size", "32",
+                 "--workers", "1", "--max-steps", "120", "--format", "lerobot"]) == 0
+    reader = LeRobotDatasetReader(tmp_path / "lerobot")
+    assert reader.fps == 20 and reader.info["codebase_version"] == "v3.0"
+    assert reader.features["action"].names == ("d_hand_x", "d_hand_y", "d_hand_z", "gripper_effort")
+    topics = bag_topics(("corner", "topview"))
+    bags = list_episode_bags(tmp_path)
+    assert len(bags) == 2 == len(reader.episodes)
+    for index, bag in enumerate(bags):
+        ep = read_episode(bag, topics, call_period=4 * 0.0125)
+        series = read_joint_series(bag, ACTION_TOPIC)
+        table = reader.rows(index, ["observation.state", "action"])
+        assert table.num_rows == len(ep.frames)
+        assert reader.tasks[table.column("task_index")[0].as_py()] == ep.task
+        np.testing.assert_array_equal(reader.vectors(table, "observation.state"),
+                                      np.stack([f.state for f in ep.frames]).astype(np.float32))
+        # the tick of frame i is 4 * i: its command is the series' sample 4 * i
+        np.testing.assert_array_equal(reader.vectors(table, "action"),
+                                      series.values[::4][: len(ep.frames)].astype(np.float32))
+        corner = reader.images(index, "observation.images.corner", table, list(range(len(ep.frames))))
+        for f, img in zip(ep.frames, corner):
+            # H.264 (crf 18) on sharp-edged 32 px renders: measured mean errors up to 5.2 levels; the
+            # other camera is >= 37 levels away. Consecutive frames differ by only ~5 levels here, so
+            # frame alignment is checked exactly by the state and action rows above (and by the
+            # reader's frame-for-frame test on images made to tell frames apart), not by this bound.
+            assert np.abs(img.astype(float) - f.images["corner"]).mean() < 6.0

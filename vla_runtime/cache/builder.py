@@ -1,6 +1,7 @@
 """Building the reference repository from recorded episodes, and profiling rho_p / rho_n.
 
-``vla-runtime build-cache`` runs here: each successful episode (a rosbag2 bag) is replayed as the
+``vla-runtime build-cache`` runs here: each successful episode (a rosbag2 bag, or an episode of a
+LeRobot dataset: any :class:`~vla_runtime.io.episode_sources.EpisodeRef`) is replayed as the
 policy calls it would have made; every call is run densely once to record its compact inputs,
 its retrieval features and its neuron contribution scores, from which the Action Cache masks are
 built. Profiling replays held-out episodes against the others, dense and cached side by side,
@@ -9,7 +10,6 @@ and picks the cheapest ratios whose action deviation stays within a tolerance.
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -22,7 +22,8 @@ from torch import Tensor
 from ..engine.cached import CacheConfig, CachedEngine
 from ..engine.dense import DenseEngine, ModelInputs
 from ..engine.policy import Observation, Pi05Policy
-from ..io.bags import BagTopics, Episode, read_episode
+from ..io.bags import BagTopics, Episode
+from ..io.episode_sources import EpisodeRef, bag_refs
 from ..models.config import Pi05Config
 from ..models.gemma import DenoiseFFN
 from ..models.pi05 import Pi05Model
@@ -266,13 +267,25 @@ def build_repository(policy: Pi05Policy, checkpoint_hash: str, bags: Sequence[Pa
                      grid: Sequence[tuple[float, float]] = DEFAULT_GRID, tolerance: float = 0.05,
                      retrieval: RetrievalConfig = RetrievalConfig(), adopt_profiled: bool = False,
                      half_repeats: int = 3, log: Log = print) -> BuildSummary:
+    """:func:`build_repository_from` over rosbag2 bags read with ``topics``."""
+    return build_repository_from(policy, checkpoint_hash, bag_refs(bags, topics), out, call_period, cfg,
+                                 profile_held_out, grid, tolerance, retrieval, adopt_profiled, half_repeats, log)
+
+
+def build_repository_from(policy: Pi05Policy, checkpoint_hash: str, episodes: Sequence[EpisodeRef], out: Path,
+                          call_period: float, cfg: BuildConfig = BuildConfig(), profile_held_out: int = 0,
+                          grid: Sequence[tuple[float, float]] = DEFAULT_GRID, tolerance: float = 0.05,
+                          retrieval: RetrievalConfig = RetrievalConfig(), adopt_profiled: bool = False,
+                          half_repeats: int = 3, log: Log = print) -> BuildSummary:
     """Record every successful episode, optionally profile the ratios, write the repository.
 
-    With ``adopt_profiled`` the masks are stored at the profiled rho_n (and the profiled rho_p is
-    reported for the runtime); otherwise the configured rho_n is kept and the curve is a report.
-    Profiling also times each half against dense (``half_repeats`` repeats) at the rho_p it
-    suggests (the engine default when none qualifies) and the stored rho_n, and records it in the
-    repository: what ``cache.context_cache: auto`` / ``action_cache: auto`` decide from.
+    Episodes are read one at a time (a bag or a dataset episode alike); one with an unknown
+    outcome (``success is None``, every dataset episode) is a reference. With ``adopt_profiled``
+    the masks are stored at the profiled rho_n (and the profiled rho_p is reported for the
+    runtime); otherwise the configured rho_n is kept and the curve is a report. Profiling also
+    times each half against dense (``half_repeats`` repeats) at the rho_p it suggests (the engine
+    default when none qualifies) and the stored rho_n, and records it in the repository: what
+    ``cache.context_cache: auto`` / ``action_cache: auto`` decide from.
     """
     t0 = time.perf_counter()
     model = policy.engine.model
@@ -282,17 +295,17 @@ def build_repository(policy: Pi05Policy, checkpoint_hash: str, bags: Sequence[Pa
     task_of: dict[str, str] = {}
     source: dict[str, str] = {}
     skipped = []
-    for k, path in enumerate(bags, start=1):
-        episode = read_episode(path, topics, call_period, state_dim=policy.state_dim)
+    for k, ref in enumerate(episodes, start=1):
+        episode = ref.load(call_period, state_dim=policy.state_dim)
         if episode.success is False and cfg.skip_failed:
-            log(f"[{k}/{len(bags)}] {path}: outcome 'failure', skipped")
-            skipped.append(str(path))
+            log(f"[{k}/{len(episodes)}] {ref.source}: outcome 'failure', skipped")
+            skipped.append(ref.source)
             continue
-        eid = _episode_id(path, recorded)
-        log(f"[{k}/{len(bags)}] {path}: task {episode.task!r}, {len(episode.frames)} calls")
+        eid = _episode_id(ref.label, recorded)
+        log(f"[{k}/{len(episodes)}] {ref.source}: task {episode.task!r}, {len(episode.frames)} calls")
         recorded[eid] = recorder.record(episode, log)
         task_of[eid] = episode.task
-        source[eid] = str(path)
+        source[eid] = ref.source
     if not recorded:
         raise ValueError("no successful episode to build a repository from")
 
@@ -344,21 +357,28 @@ def build_repository(policy: Pi05Policy, checkpoint_hash: str, bags: Sequence[Pa
 
 def admit_episode(policy: Pi05Policy, repo: ReferenceRepository, bag: Path, topics: BagTopics, call_period: float,
                   max_episodes_per_task: int, max_bytes: int | None = None, log: Log = print) -> list[str]:
+    """:func:`admit_reference` of one bag."""
+    return admit_reference(policy, repo, bag_refs([bag], topics)[0], call_period, max_episodes_per_task, max_bytes, log)
+
+
+def admit_reference(policy: Pi05Policy, repo: ReferenceRepository, ref: EpisodeRef, call_period: float,
+                    max_episodes_per_task: int, max_bytes: int | None = None, log: Log = print) -> list[str]:
     """Online admission of a new successful episode, keeping the task within its bound."""
     meta = repo.meta
     cfg = BuildConfig(rho_n=meta.rho_n, groups=tuple(tuple(g) for g in meta.mask_groups), history_len=meta.history_len)
-    episode = read_episode(bag, topics, call_period, state_dim=policy.state_dim)
+    episode = ref.load(call_period, state_dim=policy.state_dim)
     if episode.success is False:
-        raise ValueError(f"{bag}: outcome 'failure'; only successful episodes are admitted")
+        raise ValueError(f"{ref.source}: outcome 'failure'; only successful episodes are admitted")
     recorded = EpisodeRecorder(policy, cfg).record(episode, log)
-    eid = _episode_id(bag, {e.episode_id: None for e in repo.episodes()})
-    evicted = repo.admit(eid, episode.task, [r.call for r in recorded], max_episodes_per_task, max_bytes, source=str(bag))
+    eid = _episode_id(ref.label, {e.episode_id: None for e in repo.episodes()})
+    evicted = repo.admit(eid, episode.task, [r.call for r in recorded], max_episodes_per_task, max_bytes,
+                         source=ref.source)
     log(f"admitted {eid} ({len(recorded)} calls); evicted {evicted or 'none'}")
     return evicted
 
 
-def _episode_id(path: Path, taken) -> str:
-    base = "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in Path(path).name)[:100] or "episode"
+def _episode_id(label: str, taken) -> str:
+    base = "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in label)[:100] or "episode"
     base = base if base[0].isalnum() else "e" + base
     eid, n = base, 1
     while eid in taken:

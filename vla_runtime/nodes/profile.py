@@ -99,6 +99,21 @@ class CacheSpec:
 
 
 @dataclass(frozen=True)
+class DatasetSpec:
+    """Which features of a LeRobot dataset hold this robot's cameras, state and actions.
+
+    ``cameras`` maps a profile camera name to its dataset key; a camera not listed is read from
+    ``observation.images.<name>``, LeRobot's own naming."""
+
+    cameras: dict[str, str] = field(default_factory=dict)
+    state: str = "observation.state"
+    action: str = "action"
+
+    def camera_key(self, name: str) -> str:
+        return self.cameras.get(name, f"observation.images.{name}")
+
+
+@dataclass(frozen=True)
 class RobotProfile:
     name: str
     cameras: tuple[CameraSpec, ...]
@@ -114,6 +129,7 @@ class RobotProfile:
     engine: EngineSpec = field(default_factory=EngineSpec)
     streaming: StreamingSpec = field(default_factory=StreamingSpec)
     cache: CacheSpec = field(default_factory=CacheSpec)
+    dataset: DatasetSpec = field(default_factory=DatasetSpec)
 
     @property
     def state_dim(self) -> int:
@@ -197,6 +213,13 @@ class RobotProfile:
             raise bad("cache.max_end_matches", f"must be an integer >= 0 (0: no limit), got {c.max_end_matches!r}")
         if c.enabled and c.context_cache == c.action_cache == "off":
             raise bad("cache", "enabled with both context_cache and action_cache off: set enabled: false instead")
+        ds = self.dataset
+        if not isinstance(ds.cameras, dict) or any(k not in names for k in ds.cameras):
+            raise bad("dataset.cameras", f"must map camera names of this profile ({names}) to dataset keys, "
+                                         f"got {ds.cameras!r}")
+        keys = [ds.camera_key(n) for n in names] + [ds.state, ds.action]
+        if not all(isinstance(k, str) and k for k in keys) or len(set(keys)) != len(keys):
+            raise bad("dataset", f"dataset keys must be non-empty and distinct, got {keys}")
         e = self.engine
         if e.preset is not None and e.preset not in PRESETS:
             raise bad("engine.preset", f"must be null or one of {sorted(PRESETS)}, got {e.preset!r}")
@@ -260,13 +283,14 @@ def profile_from_dict(data: dict, where: str = "profile") -> RobotProfile:
         streaming = _build(StreamingSpec, {**stream, "stitch": stitch}, f"{where}.streaming")
         engine = _build(EngineSpec, d.pop("engine", None), f"{where}.engine")
         cache = _build(CacheSpec, _without_retired(d.pop("cache", None), f"{where}.cache"), f"{where}.cache")
+        dataset = _build(DatasetSpec, d.pop("dataset", None), f"{where}.dataset")
         for key in ("joint_names", "joint_lower", "joint_upper", "max_velocity", "joint_states_topics"):
             if d.get(key) is not None:
                 d[key] = tuple(d[key])
         if "arm_slices" in d:
             d["arm_slices"] = tuple(tuple(s) for s in d["arm_slices"])
         prof = _build(RobotProfile, {**d, "cameras": cams, "output": out, "streaming": streaming,
-                                     "engine": engine, "cache": cache}, where)
+                                     "engine": engine, "cache": cache, "dataset": dataset}, where)
     except ProfileError:
         raise
     return prof.validate()

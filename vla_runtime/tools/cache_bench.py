@@ -12,16 +12,19 @@ import os
 import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from ..cache.builder import model_summary
-from ..cache.manager import CacheManager, ManagerConfig
+from ..cache.manager import CacheManager, ManagerConfig, PrepareReport
 from ..cache.repository import ReferenceRepository, RepositoryError
 from ..cache.retrieval import RetrievalConfig
 from ..engine.cached import CacheConfig, CachedEngine
+from ..engine.dense import EngineOutput
 from ..engine.policy import Observation, Pi05Policy
-from ..io.bags import BagTopics, list_episode_bags, read_episode
+from ..io.bags import BagTopics, list_episode_bags
+from ..io.episode_sources import bag_refs
 
 PHASES = ("vision", "retrieve", "prefill", "denoise", "total")
 
@@ -30,8 +33,8 @@ PHASES = ("vision", "retrieve", "prefill", "denoise", "total")
 class CacheBenchSpec:
     checkpoint: str
     repository: str
-    bags: str
-    cameras: dict[str, str]
+    bags: str | None = None
+    cameras: dict[str, str] = field(default_factory=dict)
     call_period: float = 0.5
     rho_p: float = 0.4
     time_available_s: float = 1.0
@@ -40,7 +43,57 @@ class CacheBenchSpec:
     joint_states: str = "/joint_states"
     instruction: str = "/instruction"
     arm_slices: tuple[tuple[int, int], ...] = ()
+    dataset: str | None = None       # a LeRobot dataset instead of bags (then cameras come from features)
+    episodes: str | None = None      # with dataset: the selection, e.g. "40-49"
+    features: tuple[str, ...] = ()   # with dataset: MODEL_KEY=DATASET_KEY overrides
     extra: dict = field(default_factory=dict)
+
+    def dataset_refs(self):
+        """The policy and the selected dataset episodes (features from the checkpoint + overrides)."""
+        from ..io.episode_sources import open_dataset
+
+        return open_dataset(self.dataset, self.checkpoint, None, self.features, self.episodes)
+
+
+@dataclass
+class SideBySide:
+    """One call run dense and cached on the same inputs and noise, then the window's upkeep."""
+
+    dense: EngineOutput
+    cached: EngineOutput
+    reason: str | None          # why the cached engine ran dense (None on a hit)
+    prepare: PrepareReport
+
+    @property
+    def hit(self) -> bool:
+        return self.cached.reference is not None
+
+
+def side_by_side(policy: Pi05Policy, cached: CachedEngine, manager: CacheManager, obs: Observation, noise: torch.Tensor,
+                 time_available_s: float) -> SideBySide:
+    """Dense, then cached with the manager choosing the reference; the window slides after the
+    call as it would while the robot executes the chunk (timed in ``prepare``, not in the call)."""
+    inputs = policy.prepare(obs)
+    manager.observe_state(torch.as_tensor(obs.state))
+    d = policy.engine.infer(inputs, noise=noise)
+    c = cached.infer(inputs, noise=noise, select=manager.select)
+    reason = None if c.reference is not None else (manager.retriever.reason or "no prepared entry")
+    return SideBySide(d, c, reason, manager.prepare(time_available_s))
+
+
+def cache_engines(policy: Pi05Policy, repository: str | Path, rho_p: float, time_available_s: float,
+                  arm_slices: tuple[tuple[int, int], ...] = ()) -> tuple[CacheManager, CachedEngine, ReferenceRepository]:
+    """The manager and cached engine over ``repository``, refused unless it was built for this checkpoint."""
+    model = policy.engine.model
+    try:
+        repo = ReferenceRepository.open(repository, expect_checkpoint_hash=policy.checkpoint_hash,
+                                        expect_model=model_summary(model.cfg))
+    except RepositoryError as e:
+        raise RepositoryError(f"cannot use the repository, nothing to compare against dense: {e}") from None
+    mcfg = ManagerConfig(retrieval=RetrievalConfig(history_len=repo.meta.history_len, arm_slices=arm_slices),
+                         default_time_available_s=time_available_s)
+    cache_cfg = CacheConfig(rho_p=rho_p, rho_n=repo.meta.rho_n, groups=tuple(tuple(g) for g in repo.meta.mask_groups))
+    return CacheManager(model, repo, mcfg), CachedEngine(model, cache_cfg), repo
 
 
 def _median(xs: list[float]) -> float:
@@ -51,21 +104,13 @@ def run_cache_bench(spec: CacheBenchSpec, log=print) -> dict:
     if spec.threads:
         torch.set_num_threads(spec.threads)
     load_before = os.getloadavg()
-    policy = Pi05Policy.from_checkpoint(spec.checkpoint, camera_names=list(spec.cameras))
-    model = policy.engine.model
-    try:
-        repo = ReferenceRepository.open(spec.repository, expect_checkpoint_hash=policy.checkpoint_hash,
-                                        expect_model=model_summary(model.cfg))
-    except RepositoryError as e:
-        raise RepositoryError(f"cannot use the repository, nothing to compare against dense: {e}") from None
-    mcfg = ManagerConfig(retrieval=RetrievalConfig(history_len=repo.meta.history_len, arm_slices=spec.arm_slices),
-                         default_time_available_s=spec.time_available_s)
-    manager = CacheManager(model, repo, mcfg)
-    cache_cfg = CacheConfig(rho_p=spec.rho_p, rho_n=repo.meta.rho_n,
-                            groups=tuple(tuple(g) for g in repo.meta.mask_groups))
-    cached = CachedEngine(model, cache_cfg)
-    dense = policy.engine
-    topics = BagTopics(cameras=spec.cameras, joint_states=spec.joint_states, instruction=spec.instruction)
+    if spec.dataset:
+        policy, refs = spec.dataset_refs()
+    else:
+        policy = Pi05Policy.from_checkpoint(spec.checkpoint, camera_names=list(spec.cameras))
+        topics = BagTopics(cameras=spec.cameras, joint_states=spec.joint_states, instruction=spec.instruction)
+        refs = bag_refs(list_episode_bags(spec.bags), topics)
+    manager, cached, repo = cache_engines(policy, spec.repository, spec.rho_p, spec.time_available_s, spec.arm_slices)
 
     dense_t: dict[str, list[float]] = {p: [] for p in PHASES}
     cached_t: dict[str, list[float]] = {p: [] for p in PHASES}
@@ -73,41 +118,36 @@ def run_cache_bench(spec: CacheBenchSpec, log=print) -> dict:
     hit_cached: dict[str, list[float]] = {p: [] for p in PHASES}
     devs, prep_s, initial_s, reasons = [], [], [], {}
     calls = hits = 0
-    bags = list_episode_bags(spec.bags)
-    for k, bag in enumerate(bags, start=1):
-        episode = read_episode(bag, topics, spec.call_period, state_dim=policy.state_dim)
+    for k, ref in enumerate(refs, start=1):
+        episode = ref.load(spec.call_period, state_dim=policy.state_dim)
         t0 = time.perf_counter()
         manager.start_episode(episode.task)
         initial_s.append(time.perf_counter() - t0)
-        log(f"[{k}/{len(bags)}] {bag.name}: {len(episode.frames)} calls, initial window "
+        log(f"[{k}/{len(refs)}] {ref.label}: {len(episode.frames)} calls, initial window "
             f"{len(manager.entries)} entries in {initial_s[-1]:.1f} s")
         for i, frame in enumerate(episode.frames):
-            inputs = policy.prepare(Observation(frame.images, frame.state, frame.instruction or episode.task))
-            noise = dense.make_noise(1, torch.Generator().manual_seed(spec.seed + 1000 * k + i))
-            manager.observe_state(torch.as_tensor(frame.state))
-            d = dense.infer(inputs, noise=noise)
-            c = cached.infer(inputs, noise=noise, select=manager.select)
+            noise = policy.engine.make_noise(1, torch.Generator().manual_seed(spec.seed + 1000 * k + i))
+            obs = Observation(frame.images, frame.state, frame.instruction or episode.task)
+            r = side_by_side(policy, cached, manager, obs, noise, spec.time_available_s)
+            d, c = r.dense, r.cached
             calls += 1
-            hit = c.reference is not None
             for p in PHASES:
                 dt = d.times.as_dict().get(p, 0.0)
                 ct = c.times.as_dict().get(p, 0.0)
                 dense_t[p].append(dt)
                 cached_t[p].append(ct)
-                if hit:
+                if r.hit:
                     hit_dense[p].append(dt)
                     hit_cached[p].append(ct)
-            if hit:
+            if r.hit:
                 hits += 1
                 devs.append(float((c.actions - d.actions).norm() / d.actions.norm().clamp_min(1e-12)))
             else:
-                reasons[manager.retriever.reason or "no prepared entry"] = reasons.get(
-                    manager.retriever.reason or "no prepared entry", 0) + 1
-            rep = manager.prepare(spec.time_available_s)
-            prep_s.append(rep.seconds)
+                reasons[r.reason] = reasons.get(r.reason, 0) + 1
+            prep_s.append(r.prepare.seconds)
             log(f"  call {i + 1}: dense {d.times.total * 1e3:.0f} ms, cached {c.times.total * 1e3:.0f} ms"
-                + (f", reference {c.reference.key}" if hit else ", dense (no reference)")
-                + f"; window +{rep.added}/-{rep.dropped} in {rep.seconds:.2f} s")
+                + (f", reference {c.reference.key}" if r.hit else ", dense (no reference)")
+                + f"; window +{r.prepare.added}/-{r.prepare.dropped} in {r.prepare.seconds:.2f} s")
 
     def med(t: dict[str, list[float]]) -> dict[str, float]:
         return {p: _median(v) for p, v in t.items()}

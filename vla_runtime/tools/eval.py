@@ -35,13 +35,14 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ..cache.builder import BuildConfig, build_repository
+from ..cache.builder import BuildConfig, build_repository_from
 from ..cache.half_profile import time_repository_halves
 from ..cache.halves import resolve_halves
 from ..cache.repository import ReferenceRepository
 from ..cache.retrieval import fallback_rule, first_call_floors
 from ..engine.policy import Pi05Policy
 from ..io.bags import BagTopics, Episode, EpisodeFrame, write_episode_bag
+from ..io.episode_sources import bag_refs
 from ..nodes.pipeline import PipelineSpec, make_pipeline
 from ..nodes.profile import CacheSpec, EngineSpec
 from ..nodes.stages import RingNames
@@ -71,6 +72,7 @@ class EvalSpec:
     processes: int = 1
     modes: tuple[str, ...] = ("dense", "cached")
     repository: Path | None = None        # an existing repository (skips the reference phase)
+    reference_dataset: Path | None = None  # a LeRobot dataset (metaworld_demos --format lerobot) to build it from
     rho_p: float | None = None            # None: profiled when the repository is built here, else 0.4
     rho_n: float | None = None            # None: profiled (masks of a repository built here), else 0.5
     profile_episodes: int = 2             # reference episodes per task replayed to profile the ratios
@@ -87,6 +89,10 @@ class EvalSpec:
         object.__setattr__(self, "out", Path(self.out))
         if self.repository is not None:
             object.__setattr__(self, "repository", Path(self.repository))
+        if self.reference_dataset is not None:
+            object.__setattr__(self, "reference_dataset", Path(self.reference_dataset))
+            if self.repository is not None:
+                raise ValueError("give a repository or a reference dataset to build one from, not both")
         if not self.tasks:
             raise ValueError("at least one task is needed")
         if self.episodes < 1 or self.n_execute < 1 or self.max_steps < 1:
@@ -101,7 +107,8 @@ class EvalSpec:
             raise ValueError(f"min_similarity must be in (0, 1], got {self.min_similarity}")
         if self.max_end_matches < 0:
             raise ValueError(f"max_end_matches must be >= 0 (0: no limit), got {self.max_end_matches}")
-        if "cached" in self.modes and self.repository is None and self.reference_episodes < 1:
+        if "cached" in self.modes and self.repository is None and self.reference_dataset is None \
+                and self.reference_episodes < 1:
             raise ValueError("the cached mode needs a repository or reference_episodes >= 1")
         seeds = range(self.eval_seed, self.eval_seed + self.episodes)
         refs = range(self.reference_seed, self.reference_seed + self.reference_episodes)
@@ -231,6 +238,30 @@ def reference_topics(spec: EvalSpec) -> BagTopics:
     return bag_topics(spec.cameras)
 
 
+def dataset_references(spec: EvalSpec, policy: Pi05Policy, log: Callable[[str], None]):
+    """The episodes of ``spec.reference_dataset`` whose task is one evaluated, every frame a call
+    (the export has one frame per recorded call), cameras under ``observation.images.<camera>``."""
+    from ..io.dataset_features import FeatureMap
+    from ..io.episode_sources import dataset_refs
+    from ..io.lerobot_dataset import LeRobotDatasetReader
+    from ..sim.metaworld_env import TASK_INSTRUCTIONS
+
+    reader = LeRobotDatasetReader(spec.reference_dataset)
+    features = FeatureMap(cameras={c: f"observation.images.{c}" for c in spec.cameras})
+    features.check(reader, policy.state_dim, policy.action_norm.dim)
+    wanted = {TASK_INSTRUCTIONS[t] for t in spec.tasks}
+    refs = [r for r in dataset_refs(reader, features) if set(reader.episodes[r.index].tasks) & wanted]
+    if not refs:
+        raise ValueError(f"{spec.reference_dataset} has no episode of the evaluated tasks {list(spec.tasks)}")
+    task_of = {TASK_INSTRUCTIONS[t]: t for t in spec.tasks}
+    counts: dict[str, int] = {}
+    for r in refs:
+        for text in set(reader.episodes[r.index].tasks) & wanted:
+            counts[task_of[text]] = counts.get(task_of[text], 0) + 1
+    log(f"references from dataset {spec.reference_dataset}: {len(refs)} episode(s) at {reader.fps:g} fps")
+    return refs, 1.0 / reader.fps, counts
+
+
 def build_reference_repository(spec: EvalSpec, log: Callable[[str], None]) -> tuple[Path, dict[str, Any]]:
     """The repository of the cached mode and the ``rho_p`` to run it at.
 
@@ -245,20 +276,25 @@ def build_reference_repository(spec: EvalSpec, log: Callable[[str], None]) -> tu
         rho_n = ReferenceRepository.open(spec.repository, verify=False).meta.rho_n   # its masks' fraction
         return spec.repository, {"repository": str(spec.repository), "built": False, "rho_p": rho_p, "rho_n": rho_n,
                                  "ratios_from": "the repository's masks, rho_p " + ("given" if spec.rho_p else "default")}
-    bags, counts = record_references(spec, log)
-    if not bags:
-        raise RuntimeError("the dense policy succeeded in no reference episode: nothing to build a repository from")
     policy = Pi05Policy.from_checkpoint(spec.checkpoint, camera_names=list(spec.cameras))
+    if spec.reference_dataset is not None:
+        refs, call_period, counts = dataset_references(spec, policy, log)
+    else:
+        bags, counts = record_references(spec, log)
+        if not bags:
+            raise RuntimeError("the dense policy succeeded in no reference episode: nothing to build a repository from")
+        refs, call_period = bag_refs(bags, reference_topics(spec)), CALL_PERIOD_S
     repo = spec.out / "repository"
     profile = spec.profile_episodes if spec.rho_n is None or spec.rho_p is None else 0
-    summary = build_repository(policy, policy.checkpoint_hash, bags, repo, reference_topics(spec), CALL_PERIOD_S,
-                               BuildConfig(rho_n=DEFAULT_RHO_N if spec.rho_n is None else spec.rho_n),
-                               profile_held_out=profile, tolerance=spec.tolerance, adopt_profiled=spec.rho_n is None,
-                               log=log)
+    summary = build_repository_from(policy, policy.checkpoint_hash, refs, repo, call_period,
+                                    BuildConfig(rho_n=DEFAULT_RHO_N if spec.rho_n is None else spec.rho_n),
+                                    profile_held_out=profile, tolerance=spec.tolerance,
+                                    adopt_profiled=spec.rho_n is None, log=log)
     rho_p = spec.rho_p if spec.rho_p is not None else summary.rho_p if summary.rho_p is not None else DEFAULT_RHO_P
     source = ("given" if not profile else "profiled on the reference episodes" if summary.profile
               else "defaults: too few reference episodes per task to profile")
     return repo, {"repository": str(repo), "built": True, "reference_successes": counts,
+                  "reference_dataset": None if spec.reference_dataset is None else str(spec.reference_dataset),
                   "reference_episodes_per_task": spec.reference_episodes, "calls": summary.calls,
                   "rho_p": rho_p, "rho_n": summary.rho_n, "profile": summary.profile, "ratios_from": source}
 

@@ -19,6 +19,13 @@ every episode is kept, failed ones included (the directory's ``demos.json`` says
 ``"labels": "dagger"``, which tells the training tool to keep them): they are the states a policy
 drifts into and the way back from them, which expert runs never show.
 
+With ``--format lerobot`` the recorded demonstrations are also exported as a LeRobot v3.0 dataset
+in ``<out>/lerobot`` (:func:`export_lerobot`): one dataset frame per recorded policy call (fps =
+1 / (call_every * env dt), 20 by default), both cameras as H.264 video under
+``observation.images.<camera>``, the state as ``observation.state`` and, as ``action``, the
+command the expert issued at that frame's step, so LeRobot tooling and ``build-cache --dataset``
+read the same demonstrations.
+
 Run: ``python -m vla_runtime.tools.metaworld_demos --out /tmp/mw/demos --episodes 40``;
 DAgger: ``... --out /tmp/mw/demos/dagger1 --policy /tmp/mw/checkpoint --episodes 30 --seed-base 20000``.
 """
@@ -42,6 +49,10 @@ from ..sim.metaworld_env import (ACTION_NAMES, CONTROL_DT, DEFAULT_CAMERAS, DEFA
 from .recording import ACTION_TOPIC, MANIFEST, Driver, Rollout, labels_kind, pipeline_driver, record_rollout
 
 
+FORMATS = ("rosbag2", "lerobot")
+LEROBOT_DIR = "lerobot"
+
+
 @dataclass(frozen=True)
 class DemoConfig:
     """What to record. Seeds ``seed_base + i`` (i < episodes * max_tries_factor) per task."""
@@ -60,8 +71,11 @@ class DemoConfig:
     policy: str | None = None          # DAgger: this checkpoint drives, the expert labels
     beta: float = 0.3                  # DAgger: probability that the expert drives a call instead
     threads: int = 1                   # DAgger: torch threads of each worker's policy
+    format: str = "rosbag2"            # "lerobot": also export <out>/lerobot as a LeRobot v3.0 dataset
 
     def validate(self) -> "DemoConfig":
+        if self.format not in FORMATS:
+            raise ValueError(f"format must be one of {FORMATS}, got {self.format!r}")
         if self.episodes < 1 or self.call_every < 1 or self.tail_steps < 0 or self.workers < 1:
             raise ValueError("episodes, call_every, workers >= 1 and tail_steps >= 0")
         if not 0.0 <= self.beta <= 1.0:
@@ -176,7 +190,44 @@ def record_demos(cfg: DemoConfig, out: str | Path, log=print) -> dict:
         log(f"{r['task']}: {r['saved']} episodes ({r['frames']} frames, {r['steps']} steps), {failed}, "
             f"{r['seconds']:.0f}s")
     log(f"demos written to {out} in {manifest['seconds']}s")
+    if cfg.format == "lerobot":
+        export_lerobot(out, out / LEROBOT_DIR, log=log)
     return manifest
+
+
+def export_lerobot(demos: str | Path, dataset: str | Path, codec: str = "h264", log=print) -> Path:
+    """Write the demonstrations recorded in ``demos`` (bags and ``demos.json``) as a LeRobot
+    v3.0 dataset at ``dataset``: one frame per recorded call, the action the expert commanded at
+    that frame's step (the newest ``/action_command`` message at or before it), tasks by
+    instruction, episodes in path order."""
+    from ..io.bags import list_episode_bags, read_episode, read_joint_series
+    from ..io.lerobot_writer import DatasetEpisodeData, WriterConfig, write_lerobot_dataset
+
+    demos = Path(demos)
+    manifest = json.loads((demos / MANIFEST).read_text())
+    cameras = tuple(manifest["config"]["cameras"])
+    period = float(manifest["call_period"])
+    fps = round(1.0 / period)
+    if abs(fps * period - 1.0) > 1e-6:
+        raise ValueError(f"call period {period} s is not a whole number of frames per second; a LeRobot dataset "
+                         "needs an integer fps")
+    topics = bag_topics(cameras)
+    episodes = []
+    for bag in list_episode_bags(demos):
+        ep = read_episode(bag, topics, period)
+        series = read_joint_series(bag, ACTION_TOPIC)
+        at = np.searchsorted(series.t, np.array([f.t for f in ep.frames]) + 1e-6, side="right") - 1
+        if at[0] < 0:
+            raise ValueError(f"{bag}: no action command at or before the first frame")
+        episodes.append(DatasetEpisodeData(
+            task=ep.task, state=np.stack([f.state for f in ep.frames]), action=series.values[at],
+            images={f"observation.images.{c}": np.stack([f.images[c] for f in ep.frames]) for c in cameras},
+            frame_tasks=[ep.instruction_at(i) for i in range(len(ep.frames))]))
+    log(f"exporting {len(episodes)} episode(s) as a LeRobot v3.0 dataset at {fps} fps to {dataset} ...")
+    return write_lerobot_dataset(dataset, episodes, WriterConfig(
+        fps=fps, video_keys=tuple(f"observation.images.{c}" for c in cameras), codec=codec,
+        state_names=tuple(manifest["state_names"]), action_names=tuple(manifest["action_names"]),
+        robot_type="sawyer_metaworld", episodes_per_file=50))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -197,6 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "every step (failed episodes are kept)")
     p.add_argument("--beta", type=float, default=d.beta, help="DAgger: probability that the expert drives a call")
     p.add_argument("--threads", type=int, default=d.threads, help="DAgger: torch threads per worker")
+    p.add_argument("--format", default=d.format, choices=FORMATS,
+                   help="lerobot: also export the demonstrations as a LeRobot v3.0 dataset in <out>/lerobot")
     return p
 
 
@@ -206,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = DemoConfig(tasks=tuple(a.tasks.split(",")), episodes=a.episodes, cameras=tuple(a.cameras.split(",")),
                      image_size=a.image_size, call_every=a.call_every, tail_steps=a.tail_steps,
                      max_steps=a.max_steps, pose_band=(band[0], band[1]), seed_base=a.seed_base, workers=a.workers,
-                     policy=a.policy, beta=a.beta, threads=a.threads)
+                     policy=a.policy, beta=a.beta, threads=a.threads, format=a.format)
     record_demos(cfg, a.out)
     return 0
 

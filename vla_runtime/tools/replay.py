@@ -37,7 +37,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, get_args
+from typing import Any, Callable, Sequence, get_args
 
 import numpy as np
 import torch
@@ -347,17 +347,19 @@ def _prepare_out(path: Path, overwrite: bool) -> None:
         raise FileExistsError(f"{path} exists and is not a rosbag2 bag; refusing to overwrite it")
 
 
-def write_replay_bag(path: Path, calls: list[CallResult], profile: RobotProfile, storage: Storage,
-                     typestore: Typestore, provenance: dict[str, str] | None = None) -> None:
+def write_replay_bag(path: Path, calls: list[CallResult], joint_names: Sequence[str], control_hz: float, robot: str,
+                     storage: Storage, typestore: Typestore, provenance: dict[str, str] | None = None) -> None:
     """Write chunks and latencies as a rosbag2 bag (metadata version 9), one of each per call,
     logged and stamped at the call's bag time: row 0 of a replayed chunk applies at the moment
     its observation was taken (there is no controller plan in replay).
 
-    ``provenance`` (checkpoint hash, seed, ...) goes into the metadata's ``custom_data`` under
-    ``vla_runtime.replay.*``, so a drifting golden can say what it was made with."""
+    ``joint_names``, ``control_hz`` and ``robot`` label the chunks (a profile's, or a dataset's
+    action names and fps). ``provenance`` (checkpoint hash, seed, ...) goes into the metadata's
+    ``custom_data`` under ``vla_runtime.replay.*``, so a drifting golden can say what it was made
+    with."""
     t_ = typestore.types
     chunk_cls, lat_cls = t_[ACTION_CHUNK_TYPE], t_[PHASE_LATENCY_TYPE]
-    period = 1.0 / profile.control_hz
+    period = 1.0 / control_hz
     writer = Writer(path, version=BAG_FORMAT_VERSION, storage_plugin=_STORAGE_PLUGINS[storage])
     for key, value in (provenance or {}).items():
         writer.set_custom_data(CUSTOM_DATA_PREFIX + key, value)
@@ -370,7 +372,7 @@ def write_replay_bag(path: Path, calls: list[CallResult], profile: RobotProfile,
             stamp = t_["builtin_interfaces/msg/Time"](sec=c.stamp_ns // 10**9, nanosec=c.stamp_ns % 10**9)
             header = t_["std_msgs/msg/Header"](stamp=stamp, frame_id="")
             rows, dim = c.actions.shape
-            chunk = chunk_cls(header=header, call_id=c.call_id, joint_names=list(profile.joint_names),
+            chunk = chunk_cls(header=header, call_id=c.call_id, joint_names=list(joint_names),
                               control_period=period, chunk_length=rows, action_dim=dim,
                               actions=np.ascontiguousarray(c.actions, dtype=np.float64).reshape(-1),
                               source="dense", observation_seq=c.call_id)
@@ -380,7 +382,7 @@ def write_replay_bag(path: Path, calls: list[CallResult], profile: RobotProfile,
             # what the nodes report per call, so a replay bag opens in the same dashboards
             values = {"call_id": str(c.call_id), "source": "dense", "chunk_finite": str(bool(np.isfinite(c.actions).all())),
                       **{f"{k}_s": f"{v:.6f}" for k, v in c.latency.items()}}
-            status = status_cls(level=0, name="vla_runtime: replay", message="ok", hardware_id=profile.name,
+            status = status_cls(level=0, name="vla_runtime: replay", message="ok", hardware_id=robot,
                                 values=[kv_cls(key=k, value=v) for k, v in values.items()])
             diag = t_[DIAGNOSTICS_TYPE](header=header, status=[status])
             writer.write(diag_conn, c.stamp_ns, typestore.serialize_cdr(diag, DIAGNOSTICS_TYPE))
@@ -527,7 +529,8 @@ def run_replay(spec: ReplaySpec, log: Callable[[str], None] = print) -> ReplayRe
     spec.out_bag.parent.mkdir(parents=True, exist_ok=True)
     provenance = {"checkpoint_hash": policy.checkpoint_hash or "", "seed": str(spec.seed),
                   "call_period": repr(spec.call_period), "input_bag": spec.in_bag.name}
-    write_replay_bag(spec.out_bag, calls, profile, spec.storage, typestore, provenance)
+    write_replay_bag(spec.out_bag, calls, profile.joint_names, profile.control_hz, profile.name, spec.storage,
+                     typestore, provenance)
     log(f"wrote {len(calls)} chunk(s) and latencies to {spec.out_bag}")
 
     report = ReplayReport(spec, checkpoint, policy.checkpoint_hash, calls, golden_provenance=golden_provenance)
