@@ -19,6 +19,7 @@ from torch import Tensor
 
 from ..models.checkpoint import load_checkpoint
 from ..models.normalize import Normalizer, normalizers_from_checkpoint
+from ..models.parts import ModelPart
 from ..models.preprocess import ImagePreprocessor
 from ..models.shared_weights import SharedWeights
 from ..models.tokenizer import PromptTokenizer, build_prompt, discretize_state
@@ -66,16 +67,20 @@ class Pi05Policy:
     @classmethod
     def from_checkpoint(cls, ckpt_dir: str | Path, camera_names: list[str], max_batch: int = 1,
                         dtype: torch.dtype = torch.float32, device: str = "cpu", share_weights: bool = False,
-                        weights_cache_dir: str | Path | None = None) -> "Pi05Policy":
+                        weights_cache_dir: str | Path | None = None,
+                        parts: "frozenset[ModelPart] | None" = None) -> "Pi05Policy":
         """Build a policy from a checkpoint directory.
 
         ``share_weights`` (CPU): map the fused weights from a file shared by every process that
         loads this checkpoint instead of holding a private copy (``models.shared_weights``);
         the file lives in ``weights_cache_dir`` (default ``$VLA_RUNTIME_CACHE`` or
         ``~/.cache/vla_runtime/weights``). Actions are bit-identical either way.
+
+        ``parts``: hold only these parts of the model (a pipeline process's role, ``models.parts``);
+        None holds everything.
         """
         ck = load_checkpoint(ckpt_dir, dtype=dtype, device=device, share_weights=share_weights,
-                             cache_dir=weights_cache_dir)
+                             cache_dir=weights_cache_dir, parts=parts)
         state_norm, action_norm = normalizers_from_checkpoint(ckpt_dir)
         tok = PromptTokenizer.from_checkpoint_dir(ckpt_dir, max_length=ck.config.max_token_len)
         policy = cls(DenseEngine(ck.model, max_batch=max_batch), tok, state_norm, action_norm, camera_names)

@@ -60,6 +60,7 @@ class EngineSpec:
     device: str = "cpu"
     threads: int | None = None
     share_weights: bool = True   # CPU: every node maps one file of fused weights instead of a copy each
+    weights_per_role: bool = True   # each node process keeps only the model parts it runs (models.parts)
 
 
 @dataclass(frozen=True)
@@ -207,6 +208,8 @@ class RobotProfile:
             raise bad("engine.threads", f"must be null or an int in [1, 256], got {e.threads!r}")
         if not isinstance(e.share_weights, bool):
             raise bad("engine.share_weights", f"must be true or false, got {e.share_weights!r}")
+        if not isinstance(e.weights_per_role, bool):
+            raise bad("engine.weights_per_role", f"must be true or false, got {e.weights_per_role!r}")
         return self
 
 
