@@ -97,7 +97,7 @@ class LocalPipeline:
 
     def __init__(self, spec: PipelineSpec):
         self.spec = spec
-        policy = spec.load_policy(role=name)
+        policy = spec.load_policy()
         cc = cache_config(spec.cache, open_repository_meta(spec.cache, policy))
         self.vision = VisionStage(policy, spec.rings, spec.ring_slots, spec.cache, spec.arm_slices)
         try:
