@@ -421,6 +421,8 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32, device
     model.refresh_derived()
     if keep is not None:
         model.keep_only(keep)   # the time conditioning, once the modulation tables are derived
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()   # hand its blocks back to the card (other processes share it)
     model.eval().requires_grad_(False)
     digest = content_hash(files) if compute_hash else "unhashed"
     return LoadedCheckpoint(model, cfg, digest, path, layout, files)
