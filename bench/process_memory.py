@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import os
 import sys
 import time
@@ -108,7 +109,8 @@ def prepare(args: argparse.Namespace) -> tuple[Path, str | None, list[tuple[dict
         return Path(info["checkpoint"]), str(repo), frames, len(frames[0][1])
     from vla_runtime.tools.demo import write_random_checkpoint
 
-    cfg, state_dim = preset(args.preset), 14
+    cfg = preset(args.preset)
+    state_dim = min(14, cfg.max_state_dim, cfg.action_dim)   # two 7-joint arms where the model takes them
     ckpt = Path(args.checkpoint) if args.checkpoint else work / f"{args.preset}-{args.checkpoint_dtype}"
     rng = np.random.default_rng(0)
     if not (ckpt / "config.json").exists():
@@ -121,6 +123,22 @@ def prepare(args: argparse.Namespace) -> tuple[Path, str | None, list[tuple[dict
 
 
 # ---------------------------------------------------------------- measuring
+def _build_shared(ckpt: str, dtype: str) -> None:
+    from vla_runtime.models.checkpoint import load_checkpoint
+
+    load_checkpoint(ckpt, dtype=DTYPES[dtype], share_weights=True)
+
+
+def build_shared_file(ckpt: Path, dtype: str) -> None:
+    """Write the shared weight file in a process of its own first (the first loader builds it from
+    a private copy of everything): the stage processes' peaks then show the steady state."""
+    p = mp.get_context("spawn").Process(target=_build_shared, args=(str(ckpt), dtype))
+    p.start()
+    p.join()
+    if p.exitcode != 0:
+        raise RuntimeError(f"building the shared weight file failed (exit code {p.exitcode})")
+
+
 def process_memory(pid: int, weight_file: Path | None) -> dict[str, int]:
     info = psutil.Process(pid).memory_full_info()
     out = {"rss": info.rss, "uss": info.uss, "pss": info.pss, "shared": info.shared}
@@ -143,12 +161,14 @@ def run_mode(args: argparse.Namespace, ckpt: Path, repo: str | None, frames, sta
     t0 = time.perf_counter()
     with ProcessPipeline(spec, start_timeout_s=3600.0) as pipeline:
         start_s = time.perf_counter() - t0
-        seconds, cached = [], 0
+        seconds, cached, dense_why = [], 0, []
         for images, state, task in frames[: args.calls]:
             t1 = time.perf_counter()
             res = pipeline.call(images, state, task, timeout_s=3600.0)
             seconds.append(time.perf_counter() - t1)
             cached += int(res.cached)
+            if not res.cached and pipeline.last_choice is not None:
+                dense_why.append(pipeline.last_choice.reason)
         weight_file = None
         if args.share_weights == "on":
             cache_dir = str(default_cache_dir().resolve())
@@ -159,7 +179,7 @@ def run_mode(args: argparse.Namespace, ckpt: Path, repo: str | None, frames, sta
                   for name, p in pipeline.processes.items()}
     totals = {k: sum(s[k] for s in stages.values()) for k in ("rss", "uss", "pss", "weight_bytes")}
     return {"weights_per_role": per_role, "start_s": round(start_s, 2), "calls": len(seconds),
-            "cached_calls": cached, "call_s": [round(s, 3) for s in seconds],
+            "cached_calls": cached, "dense_reasons": dense_why, "call_s": [round(s, 3) for s in seconds],
             "weight_file": None if weight_file is None else str(weight_file), "stages": stages, "totals": totals}
 
 
@@ -173,7 +193,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--calls", type=int, default=3, help="warm-up calls before measuring")
-    ap.add_argument("--steps", type=int, default=20, help="steps per demo episode (--cache on; at least 20)")
+    ap.add_argument("--steps", type=int, default=60, help="steps per demo episode (--cache on; at least 20)")
     ap.add_argument("--cache", choices=["on", "off"], default="on")
     ap.add_argument("--share-weights", choices=["on", "off"], default="on")
     ap.add_argument("--weights-per-role", choices=["on", "off", "both"], default="both")
@@ -195,6 +215,8 @@ def main(argv: list[str] | None = None) -> dict:
     ckpt, repo, frames, state_dim = prepare(args)
     report["checkpoint"] = str(ckpt)
     modes = {"on": [True], "off": [False], "both": [True, False]}[args.weights_per_role]
+    if args.share_weights == "on":
+        build_shared_file(ckpt, args.dtype)
     for per_role in modes:
         report["runs"].append(run_mode(args, ckpt, repo, frames, state_dim, per_role))
     text = json.dumps(report, indent=2)
