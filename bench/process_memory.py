@@ -73,14 +73,14 @@ def role_budget(cfg: Pi05Config, dtype: torch.dtype) -> dict[str, dict[str, int]
 def gpu_fit(budget: dict[str, dict[str, int]], card_gib: float, context_gib: float) -> dict:
     """Do the three role processes fit one card? Weights + KV cache + workspace per process, plus a
     CUDA context per process (``context_gib``: an allowance, not measured here: no GPU)."""
-    def total(roles: list[str]) -> float:
+    def need(roles: list[str]) -> float:
         return sum(sum(budget[r].values()) / GIB + context_gib for r in roles)
 
-    three = ["vision", "policy", "cache"]
+    per_role, whole = need(["vision", "policy", "cache"]), need(["one_process"] * 3)
     return {"card_gib": card_gib, "cuda_context_allowance_gib_per_process": context_gib,
-            "per_role_gib": round(total(three), 3), "per_role_fits": total(three) <= card_gib,
-            "full_model_in_each_gib": round(3 * (sum(budget["one_process"].values()) / GIB + context_gib), 3),
-            "full_model_in_each_fits": 3 * (sum(budget["one_process"].values()) / GIB + context_gib) <= card_gib}
+            "per_role_gib": round(per_role, 3), "per_role_fits": per_role <= card_gib,
+            "full_model_in_each_gib": round(whole, 3), "full_model_in_each_fits": whole <= card_gib,
+            "not_counted": "a call's activations, cuBLAS workspaces, CUDA graph pools, reference entries on the device"}
 
 
 # ---------------------------------------------------------------- inputs
