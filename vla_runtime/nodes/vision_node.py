@@ -42,17 +42,10 @@ class VisionNode(Node):
         v = declare_parameters(self, PARAMETERS, self._on_parameter)
         self.params = v
         self.profile, ckpt = profile_and_checkpoint(v)
-<<<<<<< HEAD
-        policy = load_policy(ckpt, self.profile.engine, [c.name for c in self.profile.cameras], self.profile.state_dim)
-        cache = self.profile.cache if self.profile.cache.enabled else None
-        self.stage = VisionStage(policy, ring_names(v), int(v["ring_slots"]), cache, self.profile.arm_slices)
-=======
-        self.reference_timeout_s = self.profile.cache.reference_timeout_s
         policy = load_policy(ckpt, self.profile.engine, [c.name for c in self.profile.cameras], self.profile.state_dim,
                              role="vision")
-        cc = cache_config(self.profile.cache, open_repository_meta(self.profile.cache, policy))
-        self.stage = VisionStage(policy, ring_names(v), int(v["ring_slots"]), cc)
->>>>>>> 7a5b931 (Model parts: Pi05Model.keep_only releases what a pipeline role does not run (ReleasedPartError on use); load_checkpoint(parts=) never reads released tensors; tests per role)
+        cache = self.profile.cache if self.profile.cache.enabled else None
+        self.stage = VisionStage(policy, ring_names(v), int(v["ring_slots"]), cache, self.profile.arm_slices)
         self.feeds = {c.name: CameraFeed(c.name) for c in self.profile.cameras}
         self.refused_images = 0
         self.refused_requests = 0
