@@ -22,6 +22,7 @@ from vla_runtime.cli import main as cli_main
 from vla_runtime.engine.cached import CacheConfig, CachedEngine
 from vla_runtime.engine.policy import Observation, Pi05Policy
 from vla_runtime.io.bags import list_episode_bags
+from vla_runtime.models.parts import ALL_PARTS, ROLE_PARTS, weight_bytes
 from vla_runtime.nodes.pipeline import LocalPipeline, PipelineSpec, ProcessPipeline
 from vla_runtime.nodes.profile import CacheSpec
 from vla_runtime.nodes.stages import CacheStage, RingNames, episode_noise_key, manager_config
@@ -104,9 +105,16 @@ def test_three_processes_compute_what_their_reference_says_and_serve_from_the_wi
     """Three processes: the vision process selects from the window the cache manager publishes,
     which slides asynchronously, so the reference of a call may differ from the one-process
     run's; what each call computes from its reference may not (the oracle rebuilds the reported
-    entry itself). The selection's cost on the critical path is its own phase."""
+    entry itself). The selection's cost on the critical path is its own phase. Each stage process
+    holds only its role's model parts (``engine.weights_per_role``); the oracle's full model says
+    what it must compute."""
     episode = demo["episode"]
     with ProcessPipeline(_spec(demo, "three")) as pipeline:
+        held = pipeline.weights
+        assert {name: set(w.parts) for name, w in held.items()} == \
+            {role: {p.value for p in parts} for role, parts in ROLE_PARTS.items()}
+        full = weight_bytes(Pi05Policy.from_checkpoint(demo["checkpoint"], camera_names=list(CAMS)).engine.model)
+        assert held["policy"].nbytes < held["vision"].nbytes < full
         pipeline.start_episode(episode.task)
         assert pipeline.last_episode_start_s > 0          # it waited for the initial window
         cached = 0
@@ -125,6 +133,7 @@ def test_episode_not_announced_runs_its_first_call_dense_never_waiting(demo):
     the following calls are served."""
     episode = demo["episode"]
     with LocalPipeline(_spec(demo, "lazy")) as pipeline:
+        assert pipeline.vision.worker.engine.model.parts == ALL_PARTS   # one process runs every stage
         lazy = _run(pipeline, episode, announce=False)
         assert pipeline.cache.worker.episodes_started == 1
     with LocalPipeline(_spec(demo, "lazy2")) as pipeline:

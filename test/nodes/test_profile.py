@@ -36,6 +36,7 @@ def _sim() -> dict:
     (lambda d: d.update(arm_slices=[[0, 9]]), "arm_slices"),
     (lambda d: d["engine"].update(dtype="int8"), "engine.dtype"),
     (lambda d: d["engine"].update(norm_asset=""), "engine.norm_asset: must be null or a non-empty asset id"),
+    (lambda d: d["engine"].update(weights_per_role="yes"), "engine.weights_per_role: must be true or false"),
     (lambda d: d.update(cache={"background_nice": 20}), r"cache.background_nice: must be an int in \[0, 19\]"),
     (lambda d: d.update(cache={"action_cache": "yes"}), r"sim.cache: cache.action_cache: must be auto, on or off"),
     (lambda d: d.update(cache={"context_cache": 1}), r"sim.cache: cache.context_cache: must be auto, on or off"),

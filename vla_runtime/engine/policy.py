@@ -20,6 +20,7 @@ from torch import Tensor
 from ..models.checkpoint import load_checkpoint
 from ..models.norm_source import NormSource, checkpoint_normalizers
 from ..models.normalize import Normalizer
+from ..models.parts import ModelPart
 from ..models.preprocess import ImagePreprocessor
 from ..models.shared_weights import SharedWeights
 from ..models.tokenizer import PromptTokenizer, build_prompt, discretize_state
@@ -68,7 +69,8 @@ class Pi05Policy:
     @classmethod
     def from_checkpoint(cls, ckpt_dir: str | Path, camera_names: list[str], max_batch: int = 1,
                         dtype: torch.dtype = torch.float32, device: str = "cpu", share_weights: bool = False,
-                        weights_cache_dir: str | Path | None = None, norm_asset: str | None = None) -> "Pi05Policy":
+                        weights_cache_dir: str | Path | None = None, norm_asset: str | None = None,
+                        parts: "frozenset[ModelPart] | None" = None) -> "Pi05Policy":
         """Build a policy from a checkpoint directory.
 
         ``norm_asset`` chooses the statistics of an openpi checkpoint (``assets/<norm_asset>``);
@@ -78,9 +80,12 @@ class Pi05Policy:
         loads this checkpoint instead of holding a private copy (``models.shared_weights``);
         the file lives in ``weights_cache_dir`` (default ``$VLA_RUNTIME_CACHE`` or
         ``~/.cache/vla_runtime/weights``). Actions are bit-identical either way.
+
+        ``parts``: hold only these parts of the model (a pipeline process's role, ``models.parts``);
+        None holds everything.
         """
         ck = load_checkpoint(ckpt_dir, dtype=dtype, device=device, share_weights=share_weights,
-                             cache_dir=weights_cache_dir)
+                             cache_dir=weights_cache_dir, parts=parts)
         state_norm, action_norm, norm_source = checkpoint_normalizers(ckpt_dir, norm_asset)
         tok = PromptTokenizer.from_checkpoint_dir(ckpt_dir, max_length=ck.config.max_token_len)
         policy = cls(DenseEngine(ck.model, max_batch=max_batch), tok, state_norm, action_norm, camera_names)

@@ -32,6 +32,7 @@ from .checkpoint_meta import (
 )
 from .config import GemmaConfig, Pi05Config, SiglipConfig
 from .gemma import mlp_block
+from .parts import ModelPart, load_parts, part_of
 from .pi05 import Pi05Model
 
 if TYPE_CHECKING:
@@ -437,24 +438,37 @@ def read_checkpoint_layout(path: Path) -> tuple[list[Path], dict[str, TensorInfo
 
 def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                     compute_hash: bool = True, *, share_weights: bool = False,
-                    cache_dir: str | Path | None = None) -> LoadedCheckpoint:
+                    cache_dir: str | Path | None = None,
+                    parts: "frozenset[ModelPart] | None" = None) -> LoadedCheckpoint:
     """Load a pi0.5 checkpoint (file or directory) into a ready-to-run ``Pi05Model``.
 
     With ``share_weights`` (CPU only) the fused weights are not kept in private memory: they are
     mapped from a runtime-layout file in ``cache_dir`` that every process loading the same
     checkpoint maps too (see ``shared_weights.load_shared_checkpoint``; the hash is then always
     computed, it names the file).
+
+    ``parts`` (a pipeline process's role, ``models.parts``): the model holds only those parts,
+    the others are released (``Pi05Model.keep_only``). Without sharing, the released parts'
+    tensors are never even read, so neither host nor device memory ever holds them; shared, the
+    whole file is mapped and the released views dropped (pages of the file this process never
+    touches are not resident in it either way).
     """
     path = Path(path)
     if share_weights:
         from .shared_weights import load_shared_checkpoint  # imports this module
 
-        return load_shared_checkpoint(path, dtype=dtype, device=device, cache_dir=cache_dir)
+        ck = load_shared_checkpoint(path, dtype=dtype, device=device, cache_dir=cache_dir)
+        if parts is not None:
+            ck.model.keep_only(parts)
+        return ck
     files, index, layout, cfg = read_checkpoint_layout(path)
+    keep, read = parts, None if parts is None else load_parts(parts)   # ``parts`` is reused below
     handles = {f: safe_open(str(f), framework="pt", device="cpu") for f in files}
     state: dict[str, torch.Tensor] = {}
     try:
         for grp in layout_groups(cfg, embedding_key(index)):
+            if read is not None and part_of(cfg, grp.internal) not in read:
+                continue
             parts = [handles[index[k].file].get_tensor(index[k].raw_key) for k in grp.public]
             state[grp.internal] = grp.to_internal(parts).to(device=device, dtype=dtype)
     except Exception as e:  # a damaged payload surfaces here, with the file in the message
@@ -463,8 +477,14 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32, device
         handles.clear()
     with torch.device("meta"):
         model = Pi05Model(cfg)
+    if read is not None:
+        model.keep_only(read)
     model.load_state_dict(state, strict=True, assign=True)
     model.refresh_derived()
+    if keep is not None:
+        model.keep_only(keep)   # the time conditioning, once the modulation tables are derived
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()   # hand its blocks back to the card (other processes share it)
     model.eval().requires_grad_(False)
     digest = content_hash(files) if compute_hash else "unhashed"
     return LoadedCheckpoint(model, cfg, digest, path, layout, files)

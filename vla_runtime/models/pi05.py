@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from .config import Pi05Config
 from .gemma import DenoiseFFN, ExpertLayer, GemmaLayer, PrefillFFN, Workspace, modulation_table
 from .layers import KVCache, RMSNorm, Rope, linear, rms_norm, sincos_time_embedding
+from .parts import ALL_PARTS, ModelPart, ReleasedPartError, release
 from .siglip import SiglipVisionTower
 
 
@@ -69,17 +70,49 @@ class Pi05Model(nn.Module):
         self.caches: list[KVCache] = []
         self.workspace: Workspace | None = None
         self.dt = -1.0 / cfg.num_steps
+        self.parts: frozenset[ModelPart] = ALL_PARTS   # what this instance holds (``keep_only``)
+
+    # ----------------------------------------------------------------- parts held
+    def keep_only(self, parts: "frozenset[ModelPart] | set[ModelPart]") -> "Pi05Model":
+        """Release every part of the model not in ``parts`` (``models.parts``): its modules are
+        replaced by placeholders that raise ``ReleasedPartError`` when used, and its tensors are
+        freed once nothing else refers to them. One-way: a released part cannot come back.
+
+        A pipeline process calls this right after loading with its role's parts; KV caches
+        already allocated stay attached to the layers that remain.
+        """
+        parts = frozenset(ModelPart(p) for p in parts)
+        missing = parts - self.parts
+        if missing:
+            raise ValueError(f"cannot keep {sorted(p.value for p in missing)}: already released "
+                             f"(this model holds {sorted(p.value for p in self.parts)})")
+        release(self, self.cfg, self.parts - parts, parts)
+        self.parts = parts
+        return self
+
+    def require(self, *parts: ModelPart, phase: str) -> None:
+        """Refuse to run ``phase`` without its parts (a clear error instead of a placeholder's
+        from deep inside the phase)."""
+        lacking = [p.value for p in parts if p not in self.parts]
+        if lacking:
+            raise ReleasedPartError(f"{phase} needs the {lacking} part(s) of the model, released in this "
+                                    f"process (it holds: {sorted(p.value for p in self.parts)})")
 
     # ----------------------------------------------------------------- derived state
     @torch.no_grad()
     def refresh_derived(self) -> None:
         """Recompute everything derived from the weights (folded norm scales, time modulation).
 
-        Called after loading or initialising weights; the loader does it for you.
+        Called after loading or initialising weights; the loader does it for you. A model without
+        the expert (``keep_only``) has no modulation tables to derive; one with the expert needs
+        the time conditioning its tables come from.
         """
         for m in self.modules():
             if isinstance(m, RMSNorm):
                 m.refresh()
+        if ModelPart.EXPERT not in self.parts:
+            return
+        self.require(ModelPart.TIME, phase="deriving the expert's modulation tables")
         cond = self.time_condition(torch.tensor(euler_times(self.cfg.num_steps), device=self.action_in_proj.weight.device))
         for layer in self.expert_layers:
             layer.set_modulation(cond)
@@ -96,17 +129,22 @@ class Pi05Model(nn.Module):
 
         ``max_prefix`` overrides the longest prefix (default: all cameras + the longest prompt),
         e.g. for an observation history window.
+        Only the layers this model holds get the caches, and the workspace exists only with the
+        expert (``keep_only``).
         """
         cfg = self.cfg
-        p = next(self.vlm_layers.parameters())
+        p = next(self.parameters())   # every parameter has the runtime dtype and device
         dtype = dtype or p.dtype
         max_len = (cfg.max_prefix_len if max_prefix is None else max_prefix) + cfg.chunk_size
         self.caches = [KVCache(batch, cfg.vlm.num_kv_heads, max_len, cfg.vlm.head_dim, dtype, p.device)
                        for _ in range(cfg.vlm.depth)]
-        for cache, vlm_layer, expert_layer in zip(self.caches, self.vlm_layers, self.expert_layers):
-            vlm_layer.attn.cache = cache
-            expert_layer.attn.cache = cache
-        self.workspace = Workspace.allocate(cfg.expert, batch, cfg.chunk_size, max_len, dtype, p.device)
+        for part, layers in ((ModelPart.VLM, self.vlm_layers), (ModelPart.EXPERT, self.expert_layers)):
+            if part in self.parts:
+                for cache, layer in zip(self.caches, layers):
+                    layer.attn.cache = cache
+        self.workspace = None
+        if ModelPart.EXPERT in self.parts:
+            self.workspace = Workspace.allocate(cfg.expert, batch, cfg.chunk_size, max_len, dtype, p.device)
 
     @property
     def batch_capacity(self) -> int:
@@ -115,6 +153,7 @@ class Pi05Model(nn.Module):
     # ----------------------------------------------------------------- phase 1: vision
     def embed_images(self, images: Tensor, tap_layer: int | None = None) -> tuple[Tensor, Tensor | None]:
         """images [B, N, 3, H, W] in [-1, 1] -> ([B, N * patches, W_vlm], tapped vision features or None)."""
+        self.require(ModelPart.VISION, phase="embed_images")
         b, n = images.shape[:2]
         feats, tapped = self.vision(images.flatten(0, 1).to(self.projector.weight.dtype), tap_layer)
         tokens = self.projector(feats)
@@ -131,6 +170,7 @@ class Pi05Model(nn.Module):
         contribute exactly zero to attention and positions count only valid tokens, so the result
         is identical to running the padded prefix, for less work.
         """
+        self.require(ModelPart.TEXT, phase="build_prefix")
         b, n_img_tokens, w = image_tokens.shape
         per_cam = self.cfg.num_image_tokens
         n_cams = n_img_tokens // per_cam
@@ -159,6 +199,7 @@ class Pi05Model(nn.Module):
         The last layer only writes keys/values: its attention output and MLP feed nothing.
         ``ffn`` replaces the MLP call of layers 0..depth-2 (Context Cache, reference recording).
         """
+        self.require(ModelPart.VLM, phase="prefill")
         self._check_capacity(prefix.embeds.shape[0], prefix.length)
         rope = Rope.at(prefix.positions, self.cfg.vlm.head_dim, self.cfg.vlm.rope_base, prefix.embeds.dtype)
         x = prefix.embeds
@@ -173,6 +214,7 @@ class Pi05Model(nn.Module):
         Only the action expert runs here, over ``chunk`` tokens per step, attending to the prefix
         keys/values left by ``prefill``; the residual stream lives in the static workspace.
         """
+        self.require(ModelPart.EXPERT, phase="denoise")
         cfg = self.cfg
         b, p = noise.shape[0], prefix.length
         self._check_capacity(b, p)

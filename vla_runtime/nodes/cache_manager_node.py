@@ -36,7 +36,8 @@ class CacheManagerNode(Node):
         v = declare_parameters(self, PARAMETERS, self._on_parameter)
         self.profile, ckpt = profile_and_checkpoint(v)
         prof = self.profile
-        policy = load_policy(ckpt, self.profile.engine, [c.name for c in self.profile.cameras], prof.state_dim)
+        policy = load_policy(ckpt, self.profile.engine, [c.name for c in self.profile.cameras], prof.state_dim,
+                             role="cache")
         self.chunk_s = policy.engine.cfg.chunk_size / prof.control_hz
         self.time_available_s = float(v["time_available_s"]) or self.chunk_s
         self.last_upkeep_s = 0.0

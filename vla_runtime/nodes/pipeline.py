@@ -24,6 +24,7 @@ import numpy as np
 
 from ..engine.policy import Pi05Policy
 from ..ipc.ring import RingBufferError
+from ..models.parts import weight_bytes
 from .priority import background_priority
 from .profile import CacheSpec, EngineSpec
 from .stages import (CacheStage, ChunkResult, PolicyStage, PrefixRequestNote, RingNames, VisionStage, cache_config,
@@ -56,8 +57,10 @@ class PipelineSpec:
         if not 2 <= self.ring_slots <= 64:
             raise ValueError(f"ring_slots must be in [2, 64], got {self.ring_slots}")
 
-    def load_policy(self) -> Pi05Policy:
-        return load_policy(self.checkpoint, self.engine, self.cameras, self.state_dim)
+    def load_policy(self, role: str | None = None) -> Pi05Policy:
+        """The model for one stage process (``role``: only the parts it runs, when
+        ``engine.weights_per_role``) or for all stages in one process (None: everything)."""
+        return load_policy(self.checkpoint, self.engine, self.cameras, self.state_dim, role)
 
 
 class RequestNumbering:
@@ -158,6 +161,15 @@ class LocalPipeline:
 _STOP = "stop"
 
 
+@dataclass(frozen=True)
+class StageWeights:
+    """The model parts a stage process holds and their weight bytes (``models.parts``)."""
+
+    stage: str
+    parts: tuple[str, ...]
+    nbytes: int
+
+
 class StageDied(RuntimeError):
     """A stage process died during a call (the call is lost; ``ProcessPipeline.restart`` it)."""
 
@@ -166,12 +178,13 @@ def _serve(name: str, spec: PipelineSpec, conn: Connection, body) -> None:
     """A stage process: report start-up (or the error that prevented it), then run ``body``."""
     logging.basicConfig(level=logging.WARNING, format=f"[{name}] %(levelname)s %(message)s")
     try:
-        policy = spec.load_policy()
+        policy = spec.load_policy(role=name)
         stage_loop = body(policy)
     except BaseException as e:  # noqa: BLE001  # the parent shows it; the process exits non-zero
         conn.send(("error", f"{name}: {e}\n{traceback.format_exc()}"))
         raise SystemExit(1)
-    conn.send(("ready", name))
+    model = policy.engine.model
+    conn.send(("ready", StageWeights(name, tuple(sorted(p.value for p in model.parts)), weight_bytes(model))))
     stage_loop()
 
 
@@ -263,6 +276,7 @@ class ProcessPipeline:
         self.last_choice: ReferenceChoice | None = None
         self.last_times: dict[str, float] = {}
         self.last_episode_start_s = 0.0   # how long the last start_episode waited for the initial window
+        self.weights: dict[str, StageWeights] = {}   # what each stage process holds, said at start-up
         names = ("vision", "policy") + (("cache",) if spec.cache.enabled else ())
         try:
             for name in names:
@@ -292,6 +306,7 @@ class ProcessPipeline:
             raise RuntimeError(f"the {name} stage process exited during start-up (exit code {p.exitcode})") from None
         if kind == "error":
             raise RuntimeError(f"stage failed to start: {what}")
+        self.weights[name] = what
 
     def alive(self, name: str) -> bool:
         return self.conns.get(name) is not None and self.processes[name].is_alive()

@@ -52,7 +52,8 @@ class PolicyNode(Node):
         self.params = v
         self.profile, ckpt = profile_and_checkpoint(v)
         prof = self.profile
-        policy = load_policy(ckpt, self.profile.engine, [c.name for c in self.profile.cameras], prof.state_dim)
+        policy = load_policy(ckpt, self.profile.engine, [c.name for c in self.profile.cameras], prof.state_dim,
+                             role="policy")
         cc = cache_config(prof.cache, open_repository_meta(prof.cache, policy))
         self.stage = PolicyStage(policy, ring_names(v), cc, int(v["seed"]))
         s = prof.streaming

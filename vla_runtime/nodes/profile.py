@@ -61,6 +61,7 @@ class EngineSpec:
     threads: int | None = None
     share_weights: bool = True   # CPU: every node maps one file of fused weights instead of a copy each
     norm_asset: str | None = None  # openpi checkpoints: which assets/<id>/norm_stats.json (needed if several)
+    weights_per_role: bool = True   # each node process keeps only the model parts it runs (models.parts)
 
 
 @dataclass(frozen=True)
@@ -233,6 +234,8 @@ class RobotProfile:
             raise bad("engine.share_weights", f"must be true or false, got {e.share_weights!r}")
         if e.norm_asset is not None and not (isinstance(e.norm_asset, str) and e.norm_asset.strip()):
             raise bad("engine.norm_asset", f"must be null or a non-empty asset id, got {e.norm_asset!r}")
+        if not isinstance(e.weights_per_role, bool):
+            raise bad("engine.weights_per_role", f"must be true or false, got {e.weights_per_role!r}")
         return self
 
 

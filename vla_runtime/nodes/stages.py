@@ -36,6 +36,7 @@ from ..engine.timing import PhaseTimer
 from ..ipc.layout import SlotLayout
 from ..ipc.ring import LayoutMismatchError, RingBuffer, RingBufferError
 from ..models.config import preset
+from ..models.parts import role_parts
 from .profile import CacheSpec, EngineSpec
 from .prefix_ring import DEFAULT_RING, prefix_layout
 from .selection import Choice, WindowSelector
@@ -138,9 +139,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def load_policy(checkpoint: str | Path, engine: EngineSpec, cameras: Sequence[str],
-                state_dim: int | None = None) -> Pi05Policy:
+                state_dim: int | None = None, role: str | None = None) -> Pi05Policy:
     """The model as the profile's engine section says (dtype, device, threads); on CPU the nodes map
-    one shared file of fused weights instead of holding a copy each (``share_weights``).
+    one shared file of fused weights instead of holding a copy each (``share_weights``). With a
+    pipeline ``role`` ("vision", "policy", "cache") and ``engine.weights_per_role`` the model keeps
+    only the parts that role runs (``models.parts.ROLE_PARTS``); without one it keeps everything
+    (one process running every stage).
 
     Refused at start-up (ValueError naming the difference): a checkpoint whose architecture is not
     the profile's ``engine.preset`` (when the profile names one), or whose state/action dimensions
@@ -151,10 +155,11 @@ def load_policy(checkpoint: str | Path, engine: EngineSpec, cameras: Sequence[st
                          "set engine.device: cpu in the profile")
     if engine.threads:
         torch.set_num_threads(engine.threads)
+    parts = role_parts(role) if role is not None and engine.weights_per_role else None
     policy = Pi05Policy.from_checkpoint(checkpoint, camera_names=list(cameras), dtype=DTYPES[engine.dtype],
                                         device=engine.device,
                                         share_weights=engine.share_weights and engine.device == "cpu",
-                                        norm_asset=engine.norm_asset)
+                                        norm_asset=engine.norm_asset, parts=parts)
     problem = checkpoint_mismatch(policy, engine.preset, state_dim)
     if problem:
         raise ValueError(f"checkpoint {checkpoint} does not match the profile: {problem}")

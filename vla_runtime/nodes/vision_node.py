@@ -42,7 +42,8 @@ class VisionNode(Node):
         v = declare_parameters(self, PARAMETERS, self._on_parameter)
         self.params = v
         self.profile, ckpt = profile_and_checkpoint(v)
-        policy = load_policy(ckpt, self.profile.engine, [c.name for c in self.profile.cameras], self.profile.state_dim)
+        policy = load_policy(ckpt, self.profile.engine, [c.name for c in self.profile.cameras], self.profile.state_dim,
+                             role="vision")
         cache = self.profile.cache if self.profile.cache.enabled else None
         self.stage = VisionStage(policy, ring_names(v), int(v["ring_slots"]), cache, self.profile.arm_slices)
         self.feeds = {c.name: CameraFeed(c.name) for c in self.profile.cameras}

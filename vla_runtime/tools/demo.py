@@ -56,10 +56,15 @@ def _prompt_corpus(tasks: list[str], state_dim: int, n: int = 800, seed: int = 0
 
 
 def write_random_checkpoint(ckpt: Path, cfg, tasks: list[str], states: np.ndarray, actions: np.ndarray,
-                            cameras: tuple[str, ...], seed: int = 0) -> None:
+                            cameras: tuple[str, ...], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
     """A loadable checkpoint in the public layout with random weights: tokenizer trained on the
-    prompts of ``tasks``, normalisation statistics of ``states``/``actions`` ([N, D] each)."""
-    save_checkpoint(init_random_(Pi05Model(cfg), seed=seed), ckpt)
+    prompts of ``tasks``, normalisation statistics of ``states``/``actions`` ([N, D] each).
+
+    ``dtype``: of the stored tensors. The model is built directly in it (never in fp32 first), so
+    full pi0.5 in bfloat16 can be written on a machine that cannot hold two fp32 copies of it."""
+    with torch.device("meta"):
+        model = Pi05Model(cfg)
+    save_checkpoint(init_random_(model.to(dtype).to_empty(device="cpu"), seed=seed), ckpt)
     vocab = min(cfg.vocab_size, 400)
     train_prompt_tokenizer(_prompt_corpus(tasks, states.shape[1]), ckpt / "tokenizer.model", vocab_size=vocab,
                            exact_vocab=False)
