@@ -32,6 +32,21 @@ def _weights_cache(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(autouse=True)
+def _scheduling_policy_unchanged():
+    """No test may leave this process real-time: every process started afterwards (the stage and
+    ROS node processes) would inherit SCHED_FIFO, and two busy real-time processes starve the rest
+    of the machine (the SVT-AV1 encoder did this once and hung a whole run). Restored, then failed."""
+    import os
+
+    before = os.sched_getscheduler(0), os.sched_getparam(0)
+    yield
+    after = os.sched_getscheduler(0), os.sched_getparam(0)
+    if after != before:
+        os.sched_setscheduler(0, *before)
+        pytest.fail(f"the test changed this process's CPU scheduling policy from {before} to {after}")
+
+
+@pytest.fixture(autouse=True)
 def _torch_threads():
     """A test that loads a policy with ``engine.threads`` sets torch's process-wide thread count;
     restored after it, so a later test comparing this process with spawned stage processes

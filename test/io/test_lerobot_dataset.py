@@ -202,3 +202,13 @@ def test_pandas_style_tasks_table(copy):
     table = table.replace_schema_metadata({b"pandas": json.dumps(meta).encode()})
     pq.write_table(table, copy / "meta" / "tasks.parquet")
     assert LeRobotDatasetReader(copy).tasks == {0: TASKS[0], 1: TASKS[1]}
+
+
+def test_writing_av1_leaves_the_scheduling_policy_as_it_was(tmp_path, episodes):
+    """PyAV's SVT-AV1 encoder switches the thread that drives it to SCHED_FIFO 99 (as root); the
+    writer puts the policy back, or every process started afterwards would run real-time."""
+    import os
+
+    before = os.sched_getscheduler(0), os.sched_getparam(0)
+    write_lerobot_dataset(tmp_path / "ds", episodes[:1], WriterConfig(fps=FPS, video_keys=VIDEO, codec="av1"))
+    assert (os.sched_getscheduler(0), os.sched_getparam(0)) == before

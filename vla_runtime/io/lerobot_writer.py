@@ -15,10 +15,12 @@ dataset frame at ``fps``); the other cameras are stored inline as PNG, the way L
 from __future__ import annotations
 
 import json
+import os
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import av
 import cv2
@@ -103,6 +105,23 @@ def _vector_feature(dim: int, names: tuple[str, ...] | None) -> dict:
     return {"dtype": "float32", "shape": [dim], "names": list(names) if names else None}
 
 
+@contextmanager
+def _scheduling_kept() -> Iterator[None]:
+    """Keep this thread's CPU scheduling policy through a call into the encoder.
+
+    Why: the SVT-AV1 encoder (PyAV's ``libsvtav1``) switches the thread that drives it to
+    SCHED_FIFO at priority 99 when it may (as root). Every process started afterwards inherits
+    that, and two busy real-time processes then starve everything else on the machine (seen: ROS
+    node processes started after an AV1 export hung a whole test run). The policy in force
+    before each encoder call is put back after it."""
+    policy, param = os.sched_getscheduler(0), os.sched_getparam(0)
+    try:
+        yield
+    finally:
+        if os.sched_getscheduler(0) != policy or os.sched_getparam(0) != param:
+            os.sched_setscheduler(0, policy, param)
+
+
 class _VideoFile:
     """One mp4 stream that several episodes append to; frame k has pts k (time base 1/fps)."""
 
@@ -120,13 +139,18 @@ class _VideoFile:
             frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(img), format="rgb24")
             frame.pts = self.frames
             self.frames += 1
-            for packet in self.stream.encode(frame):
+            with _scheduling_kept():
+                packets = self.stream.encode(frame)
+            for packet in packets:
                 self.container.mux(packet)
 
     def close(self) -> None:
-        for packet in self.stream.encode():
+        with _scheduling_kept():
+            packets = self.stream.encode()
+        for packet in packets:
             self.container.mux(packet)
-        self.container.close()
+        with _scheduling_kept():
+            self.container.close()
 
 
 def _list_column(values: np.ndarray) -> pa.Array:
