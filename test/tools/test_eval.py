@@ -87,7 +87,9 @@ def test_eval_reports_consistent_numbers(setup):
     assert report["modes"]["dense"]["overall"]["fallback_rate"] is None
     assert report["modes"]["dense"]["overall"]["episodes_with_fallback"] is None
     assert report["modes"]["cached"]["overall"]["cached_calls"] >= 1       # the demo's pose is near enough
-    assert "retrieve" in report["modes"]["cached"]["overall"]["mean_phase_s"]
+    assert "select" in report["modes"]["cached"]["overall"]["mean_phase_s"]       # in the vision stage, no round trip
+    assert "retrieve" not in report["modes"]["cached"]["overall"]["mean_phase_s"]
+    assert set(report["comparison"]["cached_overheads_s"]) >= {"select", "episode_start"}
     pr = report["comparison"]["paired"]["overall"]
     assert pr["pairs"] == 2 and pr["both"] + pr["dense_only"] + pr["other_only"] + pr["neither"] == 2
     assert pr["difference_points"] == pytest.approx(report["comparison"]["success_points"])   # same seeds
