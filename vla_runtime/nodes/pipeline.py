@@ -98,8 +98,8 @@ class LocalPipeline:
     def __init__(self, spec: PipelineSpec):
         self.spec = spec
         policy = spec.load_policy()
-        cc = cache_config(spec.cache, open_repository_meta(spec.cache, policy))
         self.vision = VisionStage(policy, spec.rings, spec.ring_slots, spec.cache, spec.arm_slices)
+        cc = self.vision.worker.cache   # resolved once (repository index, halves), shared by the stages here
         try:
             self.cache = CacheStage(policy, spec.cache, spec.rings, spec.arm_slices) \
                 if cc is not None and not cc.dense else None

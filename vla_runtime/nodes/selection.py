@@ -62,7 +62,6 @@ class WindowSelector:
         self.mirror: WindowMirror | None = None
         self._had_window = False
         self.selector = ReferenceSelector(retrieval, _NoSource(), self.episodes, self.state_dim)
-        self.retrieval = retrieval
         self.episode_key: tuple[str, int] | None = None
         self.torn = 0   # pinned entries rewritten while a prefill read them (that call reran dense)
 
