@@ -30,7 +30,7 @@ def robot(spec: dict) -> int:
 
     from diagnostic_msgs.msg import DiagnosticArray
 
-    from vla_runtime.msg import ActionChunk
+    from vla_runtime.msg import ActionChunk, PrefixRequest, ReferenceSelection
 
     assert_only_loopback()
     rclpy.init()
@@ -42,16 +42,32 @@ def robot(spec: dict) -> int:
             got.setdefault("chunk", {"call_id": m.call_id, "shape": [m.chunk_length, m.action_dim],
                                      "actions": list(m.actions), "source": m.source})
     node.create_subscription(ActionChunk, "/vla_runtime/action_chunk", on_chunk, 10)
+    # per call: the reference the vision node chose (or why none), and the state its prompt was
+    # conditioned on (the policy's predicted state once a chunk is executing, not the observed one)
+    references, reasons, states = (got.setdefault(k, {}) for k in ("references", "reasons", "states"))
+    def on_selection(m) -> None:
+        if m.found:
+            references[str(m.request_seq)] = [m.episode_id, int(m.index)]
+        reasons[str(m.request_seq)] = m.reason
+    node.create_subscription(ReferenceSelection, "/vla_runtime/reference_selection", on_selection, 10)
+    def on_request(m) -> None:
+        states[str(m.request_seq)] = list(m.state)
+    node.create_subscription(PrefixRequest, "/vla_runtime/prefix_request", on_request, 10)
     diagnostics: dict = got.setdefault("diagnostics", {})
-    def on_diagnostics(m) -> None:   # the newest of each node that shows a call (nodes also report once a second)
+    def on_diagnostics(m) -> None:   # each node's newest after the first cached chunk (nodes report once a second)
         values = {kv.key: kv.value for kv in m.status[0].values}
-        if int(values.get("calls", values.get("selections", "0"))) >= 1:
+        if "chunk" in got and int(values.get("calls", values.get("selections", "0"))) >= 1:
             diagnostics[m.status[0].name] = values
     node.create_subscription(DiagnosticArray, "/diagnostics", on_diagnostics, 10)
     wanted = {f"vla_runtime: {n}" for n in ("policy", "vision", "cache manager")}
 
     def done() -> bool:
-        return "chunk" in got and wanted <= set(diagnostics)
+        if "chunk" not in got or not wanted <= set(diagnostics):
+            return False
+        # the calls the vision node ran (a request sent before it was up goes unanswered), each
+        # with the state its request carried
+        last = got["chunk"]["call_id"]
+        return str(last) in reasons and all(c in states for c in reasons if int(c) <= last)
     pubs = {c: node.create_publisher(Image, t, 10) for c, t in spec["cameras"].items()}
     joints = node.create_publisher(JointState, "/joint_states", 10)
     task = node.create_publisher(String, "/instruction", 10)

@@ -81,7 +81,7 @@ def test_changed_instruction_starts_a_new_episode_in_the_cache_manager(report):
 
 def test_episode_start_is_prepared_by_the_cache_manager_ahead_of_the_first_query(report):
     p = _phase(report, "episode_start")
-    assert p["ok"] and p["started"] == 1, p    # 2 would mean the first query started it again
+    assert p["ok"] and p["started"] == 1, (p, report["logs"])    # 2 would mean the first query started it again
 
 
 def test_parameters_are_validated_at_run_time(report):

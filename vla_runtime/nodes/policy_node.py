@@ -305,7 +305,7 @@ class PolicyNode(Node):
                   "held_ticks": str(c.safety.counts.get("held", 0)),
                   "clamped_ticks": str(c.safety.counts.get("clamped", 0)),
                   "watchdog_stale_events": str(c.watchdog.stale_events), "request_timeouts": str(self.request_timeouts),
-                  "cached_calls": str(self.cached_calls), "masks_missed": str(self.stage.masks_missed),
+                  "cached_calls": str(self.cached_calls),
                   "rejected_chunks": str(c.rejected), "stale_slots": str(self.stale_slots),
                   "holds_published": str(self.holds_published),
                   "refused_joint_states": str(self.refused_joint_states),

@@ -8,6 +8,11 @@ published window (``WindowMirror``), then the chosen entry is pinned in place fo
 Cache. What was chosen goes on to the cache manager as a ``Selection`` note, after the fact, so
 it can slide its window while the robot executes; it is never waited for. A window that is not
 there, not ready or of another camera layout means a dense call, never a wait.
+
+An episode's first search picks the top-T reference episodes it follows to its end, so it waits
+(dense calls) until the cache manager says the episode's initial window is complete
+(``window_state``): what the pipeline selects then does not depend on how far the cache manager
+had got, and equals what one process selects.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from ..cache.repository import ReferenceRepository
 from ..cache.retrieval import RetrievalConfig
 from ..cache.selector import ReferenceSelector, Selection
 from ..ipc.ring import PinnedSlot
-from .working_set import WindowMirror, WorkingSetReader, current_reader
+from .working_set import WindowMirror, WorkingSetReader, current_reader, window_state
 
 @dataclass
 class Choice:
@@ -78,8 +83,12 @@ class WindowSelector:
         if down:
             return Choice(Selection(request_seq, task, episode, None, reason=down))
         assert self.mirror is not None and self.reader is not None
-        self.mirror.follow_task(task, self.episodes.get(task, {}))
+        self.mirror.follow_task(task, self.episodes[task])
         self.mirror.refresh()
+        if not self.selector.candidate_episodes() and self.mirror.window != window_state(task, episode, True):
+            return Choice(Selection(request_seq, task, episode, None,
+                                    reason="initial window still being prepared (the episode's first search "
+                                           "waits for it)"))
         try:
             match = self.selector.select(features)
         except ValueError as e:   # e.g. a camera layout the references were not recorded with

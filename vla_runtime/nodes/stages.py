@@ -21,7 +21,6 @@ from typing import Sequence
 
 import numpy as np
 import torch
-from torch import Tensor
 
 from ..cache.builder import model_summary
 from ..cache.halves import resolve_halves
@@ -41,7 +40,7 @@ from .profile import CacheSpec, EngineSpec
 from .prefix_ring import DEFAULT_RING, prefix_layout
 from .selection import Choice, WindowSelector
 from .workers import (CacheWorker, PolicyWorker, PrefixMeta, PrefixSlotSpec, ReferenceChoice, VisionWorker)
-from .working_set import DEFAULT_WORKING_SET, SharedEntryStore, WorkingSetReader, current_reader, working_set_layout
+from .working_set import DEFAULT_WORKING_SET, SharedEntryStore, window_state, working_set_layout
 
 log = logging.getLogger(__name__)
 
@@ -230,11 +229,10 @@ class VisionStage:
             with timer.phase("select"):
                 choice = self.selector.choose(req.request_seq, req.task, req.episode, vp.features, req.state)
         reference = choice.entry if choice is not None else None
-        at = (choice.slot, choice.seq) if reference is not None else (-1, -1)
         with self.prefix.begin_write() as writer:
-            out = {k: writer[k] for k in ("k", "v", "retrieval", "state")}
+            out = {f.name: writer[f.name] for f in self.prefix.layout.fields}
             kw = dict(observation_seq=req.request_seq, stamp_ns=time.monotonic_ns(), timer=timer)
-            meta = self.worker.prefill(vp, req.state, out, reference=reference, ref_at=at, **kw)
+            meta = self.worker.prefill(vp, req.state, out, reference=reference, **kw)
             if choice is not None and choice.pin is not None and not choice.pin.valid():
                 # the cache manager rewrote the entry while the prefill read it: that result is
                 # void, the call runs dense (the choice's reason says so)
@@ -302,9 +300,11 @@ class CacheStage:
             self.disabled_reason = f"repository {repo.root} holds no episodes yet"
             log.warning("muscle-memory cache disabled, running dense: %s", self.disabled_reason)
             return
-        self.working_set = RingBuffer.create(rings.working_set, ws_layout, max(slots, 1), replace_stale=True)
+        # one slot more: the window's state (SharedEntryStore.mark_window)
+        self.working_set = RingBuffer.create(rings.working_set, ws_layout, slots + 1, replace_stale=True)
+        self.store = SharedEntryStore(self.working_set, window_marker=True)
         try:
-            manager = CacheManager(policy.engine.model, repo, mcfg, entries=SharedEntryStore(self.working_set))
+            manager = CacheManager(policy.engine.model, repo, mcfg, entries=self.store)
         except ValueError as e:
             self.working_set.close()
             self.working_set = None
@@ -327,18 +327,32 @@ class CacheStage:
     def begin(self, task: str, episode: int) -> None:
         """Prepare an episode before its first call (nothing when the cache is off). A task the
         repository cannot serve is not an error here: its calls run dense, saying why."""
-        if self.worker is None:
+        if self.worker is None or self.worker.serves(task, episode):
             return
+        self.store.mark_window(window_state(task, episode, ready=False))
         try:
             self.worker.begin(task, episode)
         except (ValueError, RuntimeError) as e:
             log.warning("episode %d of %r not prepared ahead: %s", episode, task, e)
+        # complete (or as complete as it will get: a task the repository lacks has no window)
+        self.store.mark_window(window_state(task, episode, ready=True))
 
     def follow(self, selection: Selection) -> None:
-        """What a call selected (its episode starts here if it was not announced ahead)."""
-        if self.worker is not None:
-            self.begin(selection.task, selection.episode)
-            self.worker.follow(selection)
+        """What a call selected (its episode starts here if it was not announced ahead). A stall
+        restarts the window: the vision side's restarted first search waits for it again. A note
+        of an earlier episode of the current task is dropped: restarting that episode's window
+        would only have the next call start the current one a second time."""
+        w = self.worker
+        if w is None:
+            return
+        if selection.task == w.manager.task and w.episode is not None and selection.episode < w.episode:
+            return   # a late note of an episode already over (a call in flight at the reset): not followed
+        self.begin(selection.task, selection.episode)
+        if selection.restart:
+            self.store.mark_window(window_state(selection.task, selection.episode, ready=False))
+        self.worker.follow(selection)
+        if selection.restart:
+            self.store.mark_window(window_state(selection.task, selection.episode, ready=True))
 
     def upkeep(self, time_available_s: float | None = None) -> None:
         """Slide the working set after a call (overlaps the robot executing the chunk)."""
@@ -378,11 +392,9 @@ class PolicyStage:
         self.worker = PolicyWorker(policy, cache)
         self.rings = rings
         self.seed = seed
-        self.layout = prefix_layout(PrefixSlotSpec.for_config(policy.engine.cfg, policy.engine.dtype))
+        self.layout = prefix_layout(PrefixSlotSpec.for_config(policy.engine.cfg, policy.engine.dtype, cache))
         self.slot_buf = {f.name: torch.zeros(f.shape, dtype=f.dtype) for f in self.layout.fields}
         self.prefix: RingBuffer | None = None
-        self.working_set: WorkingSetReader | None = None
-        self.masks_missed = 0
 
     def generator(self, noise_key: int) -> torch.Generator:
         """Noise of the call whose key is n (its ``request_seq`` unless the request names a key):
@@ -409,21 +421,11 @@ class PolicyStage:
             return None
         meta = PrefixMeta.from_dict(info.meta)
         request_seq = int(info.meta["request_seq"])
-        masks = self._masks(meta)
+        masks = self.slot_buf["masks"] if meta.masks and "masks" in self.slot_buf else None
         noise_key = int(info.meta.get("noise_key", request_seq))
         chunk = self.worker.act(self.slot_buf, meta, generator=self.generator(noise_key), masks=masks)
         return ChunkResult(request_seq, int(info.meta["start_tick"]), chunk, self.worker.last_used_masks, meta)
 
-    def _masks(self, meta: PrefixMeta) -> Tensor | None:
-        if meta.ref_slot < 0 or self.worker.buffers is None:
-            return None
-        self.working_set = current_reader(self.working_set, self.rings.working_set)
-        masks = None if self.working_set is None else self.working_set.read_masks(meta.ref_slot, meta.ref_seq)
-        if masks is None:   # the entry left the window since the vision stage used it: dense denoising
-            self.masks_missed += 1
-        return masks
-
     def close(self) -> None:
-        for ring in (self.prefix, None if self.working_set is None else self.working_set.ring):
-            if ring is not None:
-                ring.close()
+        if self.prefix is not None:
+            self.prefix.close()

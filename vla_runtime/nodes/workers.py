@@ -46,17 +46,28 @@ class PrefixSlotSpec:
     retrieval_rows: int
     retrieval_width: int
     dtype: torch.dtype
+    mask_shape: tuple[int, int, int] | None = None   # [groups, expert depth, K]: the Action Cache's masks
 
     @staticmethod
-    def for_config(cfg: Pi05Config, dtype: torch.dtype = torch.float32) -> "PrefixSlotSpec":
+    def for_config(cfg: Pi05Config, dtype: torch.dtype = torch.float32,
+                   cache: CacheConfig | None = None) -> "PrefixSlotSpec":
+        """The slot for ``cfg``; with the Action Cache on (``cache``), room for the masks of the
+        reference the call was given, so they travel with the call (the working set may drop that
+        entry before the policy denoises: the vision process runs calls ahead of it)."""
+        masks = None
+        if cache is not None and cache.action_cache:
+            masks = (len(cache.groups), cfg.expert.depth, cache.mask_size(cfg.expert.mlp_dim))
         return PrefixSlotSpec(cfg.vlm.depth, cfg.vlm.num_kv_heads, cfg.max_prefix_len, cfg.vlm.head_dim,
-                              cfg.num_cameras * cfg.num_image_tokens, cfg.vision.width, dtype)
+                              cfg.num_cameras * cfg.num_image_tokens, cfg.vision.width, dtype, masks)
 
     def shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         kv = (self.layers, self.kv_heads, self.max_prefix, self.head_dim)
-        return {"k": (kv, self.dtype), "v": (kv, self.dtype),
-                "retrieval": ((self.retrieval_rows, self.retrieval_width), torch.float16),
-                "state": ((64,), torch.float32)}
+        shapes = {"k": (kv, self.dtype), "v": (kv, self.dtype),
+                  "retrieval": ((self.retrieval_rows, self.retrieval_width), torch.float16),
+                  "state": ((64,), torch.float32)}
+        if self.mask_shape is not None:
+            shapes["masks"] = (self.mask_shape, torch.int64)
+        return shapes
 
     def allocate(self) -> dict[str, Tensor]:
         """Plain tensors of the slot's shapes (in-process use and tests)."""
@@ -73,8 +84,7 @@ class PrefixMeta:
     state_dim: int
     observation_seq: int
     stamp_ns: int
-    ref_slot: int = -1   # working-set entry the call used (-1: dense); the policy reads its masks
-    ref_seq: int = -1
+    masks: int = 0           # 1: the slot's ``masks`` hold the reference's (the policy runs the Action Cache)
     context_cache: int = 0   # 1: the prefill reused the reference's FFN outputs (Context Cache)
 
     def as_dict(self) -> dict:
@@ -127,7 +137,7 @@ class VisionWorker:
         self.policy = policy
         self.engine: DenseEngine = policy.engine
         self.cache = cache
-        self.spec = PrefixSlotSpec.for_config(self.engine.cfg, self.engine.dtype)
+        self.spec = PrefixSlotSpec.for_config(self.engine.cfg, self.engine.dtype, cache)
         self.last_context: ContextCache | None = None
 
     @staticmethod
@@ -146,14 +156,14 @@ class VisionWorker:
 
     @torch.no_grad()
     def prefill(self, vp: VisionPass, state: np.ndarray | list[float], out: dict[str, Tensor], observation_seq: int,
-                stamp_ns: int, reference: PreparedEntry | None = None, ref_at: tuple[int, int] = (-1, -1),
+                stamp_ns: int, reference: PreparedEntry | None = None,
                 timer: PhaseTimer | None = None) -> PrefixMeta:
         """Prefill (``"prefill"`` phase) and write the prefix into ``out`` (slot tensors).
 
         ``state`` is the state the prompt was conditioned on (the policy's predicted state).
-        ``reference``/``ref_at``: the prepared entry chosen for this call and where it lives in the
-        working set (so the policy denoises with its masks); a reference recorded with another
-        camera layout is not used for the Context Cache.
+        ``reference``: the prepared entry chosen for this call; its masks go into the slot (the
+        policy denoises with them) and, unless it was recorded with another camera layout, its
+        FFN states serve the Context Cache.
         """
         m = self.engine.model
         self.last_context = None
@@ -175,11 +185,13 @@ class VisionWorker:
         out["retrieval"][: rows.shape[0]].copy_(rows)
         state_t = torch.as_tensor(np.asarray(state), dtype=torch.float32).reshape(-1)
         out["state"][: state_t.numel()].copy_(state_t)
-        uses_masks = reference is not None and reference.masks is not None
+        uses_masks = (reference is not None and reference.masks is not None and "masks" in out
+                      and tuple(reference.masks.shape) == tuple(out["masks"].shape))
+        if uses_masks:
+            out["masks"].copy_(reference.masks)
         return PrefixMeta(length=p, valid_len=int(prefix.valid_len[0]), cameras=int(vp.inputs.image_mask.sum()),
                           state_dim=state_t.numel(), observation_seq=observation_seq, stamp_ns=stamp_ns,
-                          ref_slot=ref_at[0] if uses_masks else -1, ref_seq=ref_at[1] if uses_masks else -1,
-                          context_cache=int(ffn is not None))
+                          masks=int(uses_masks), context_cache=int(ffn is not None))
 
     def encode(self, obs: Observation, out: dict[str, Tensor], observation_seq: int, stamp_ns: int,
                timer: PhaseTimer | None = None) -> PrefixMeta:
@@ -244,11 +256,15 @@ class CacheWorker:
         self.last_selection: Selection | None = None
         self.selections = 0
 
+    def serves(self, task: str, episode: int) -> bool:
+        """Whether (task, episode) is the episode the window is for."""
+        return task == self.manager.task and episode == self.episode
+
     def begin(self, task: str, episode: int = 0) -> bool:
         """Start (task, episode) unless it is the current one: the task pack and the initial
         window are loaded now. Called ahead of the episode's first query when the caller knows
         the task (the robot resetting), else by that query itself. True when it started one."""
-        if task == self.manager.task and episode == self.episode:
+        if self.serves(task, episode):
             return False
         self.manager.start_episode(task)
         self.episodes_started += 1

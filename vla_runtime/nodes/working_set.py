@@ -1,6 +1,6 @@
 """The reference working set in shared memory: the cache manager publishes prepared entries, the
-vision process selects among them and reads their FFN states in place (Context Cache), the policy
-process reads their masks (Action Cache).
+vision process selects among them, reads their FFN states in place (Context Cache) and passes
+their masks on to the policy in the call's prefix slot (Action Cache).
 
 The cache manager process keeps the sliding window of rMuscle (T episodes x (L + 1) positions);
 each prepared entry it reconstructs goes into a slot of a ring buffer of its own, chosen among the
@@ -16,12 +16,12 @@ manager, which may be busy rebuilding entries or gone.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterable, Iterator, MutableMapping
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch import Tensor
 
 from ..cache.entry import EntryKey, PreparedEntry
 from ..cache.retrieval import CandidateMatrix
@@ -63,17 +63,26 @@ class SharedEntry:
         return self.size
 
 
+def window_state(task: str, episode: int, ready: bool) -> dict:
+    """What the cache manager publishes about its window: the episode it serves (the task as a
+    CRC-32, slot metadata is small) and whether that episode's initial window is complete."""
+    return {"task": zlib.crc32(task.encode()), "episode": int(episode), "ready": int(ready)}
+
+
 class SharedEntryStore(MutableMapping[EntryKey, SharedEntry]):
     """The cache manager's ``entries``: storing a ``PreparedEntry`` copies it into a free slot.
 
     Slots are only reused after their entry was dropped (and the slot cleared), so an entry stays
     readable for as long as it is in the window; no allocation happens after the ring is created.
+    With ``window_marker`` the ring's last slot holds no entry but the window's state
+    (``mark_window``): an episode's first search waits for its initial window to be complete.
     """
 
-    def __init__(self, ring: RingBuffer):
+    def __init__(self, ring: RingBuffer, window_marker: bool = False):
         self.ring = ring
         self._where: dict[EntryKey, SharedEntry] = {}
-        self._free = list(range(ring.slots - 1, -1, -1))
+        self.marker_slot = ring.slots - 1 if window_marker else None
+        self._free = list(range(ring.slots - (2 if window_marker else 1), -1, -1))
         self.mask_shape = tuple(ring.layout.field("masks").shape)
         self.publishes_retrieval = "retrieval" in {f.name for f in ring.layout.fields}
 
@@ -111,6 +120,12 @@ class SharedEntryStore(MutableMapping[EntryKey, SharedEntry]):
                 raise
         self._where[key] = SharedEntry(key, slot, seq, entry.nbytes())
 
+    def mark_window(self, state: dict) -> None:
+        """Publish the window's state (``window_state``); nothing without a marker slot."""
+        if self.marker_slot is not None:
+            with self.ring.begin_write(self.marker_slot) as wr:
+                wr.commit({"window": state})
+
     def __getitem__(self, key: EntryKey) -> SharedEntry:
         return self._where[key]
 
@@ -136,12 +151,10 @@ def pinned_entry(pin: PinnedSlot) -> PreparedEntry:
 
 class WorkingSetReader:
     """A reader of working-set entries: the vision side pins whole entries in place (Context
-    Cache), the policy side copies only masks (small) into its own buffer (Action Cache)."""
+    Cache; their masks it copies into the call's prefix slot for the policy's Action Cache)."""
 
-    def __init__(self, ring: RingBuffer, device: torch.device | str = "cpu"):
+    def __init__(self, ring: RingBuffer):
         self.ring = ring
-        f = ring.layout.field("masks")
-        self.masks = torch.zeros(f.shape, dtype=f.dtype, device=device)
 
     def pin_entry(self, slot: int, seq: int) -> tuple[PreparedEntry, PinnedSlot] | None:
         """The entry announced as (slot, seq) in place, or None when it was replaced (run dense).
@@ -150,12 +163,6 @@ class WorkingSetReader:
         if pin is None or not isinstance(pin.meta, dict):
             return None
         return pinned_entry(pin), pin
-
-    def read_masks(self, slot: int, seq: int) -> Tensor | None:
-        """The Action Cache masks of entry (slot, seq); None when replaced or the entry has none."""
-        info = self.ring.read(slot, seq, {"masks": self.masks})
-        meta = info.meta if info is not None and isinstance(info.meta, dict) else None
-        return self.masks if meta is not None and meta.get("has_masks") else None
 
 
 def current_reader(reader: WorkingSetReader | None, name: str) -> WorkingSetReader | None:
@@ -181,7 +188,8 @@ class WindowMirror:
     one word per slot, plus a copy of only the entries that changed since the last call.
 
     Only entries of the current task's reference episodes (``follow_task``) are candidates, so a
-    window still holding another task's entries can never serve this one.
+    window still holding another task's entries can never serve this one. ``window`` is the
+    state the cache manager last published for its window (``window_state``).
     """
 
     def __init__(self, ring: RingBuffer):
@@ -192,6 +200,7 @@ class WindowMirror:
         self.matrix = CandidateMatrix(ring.slots, int(torch.Size(rf.shape).numel()), hf.shape[0], hf.shape[1])
         self.task: str | None = None
         self._episodes: frozenset[str] = frozenset()
+        self.window: dict | None = None
         self._seen = [-1] * ring.slots                      # sequence last looked at, per slot
         self._at: dict[EntryKey, tuple[int, int]] = {}      # candidate -> (slot, seq)
         self._key_of: list[EntryKey | None] = [None] * ring.slots
@@ -220,6 +229,9 @@ class WindowMirror:
             if pin is None or not isinstance(pin.meta, dict):
                 continue                                    # being rewritten: looked at again next call
             meta = pin.meta
+            if "window" in meta:                            # the window's state, not an entry
+                self.window, self._seen[slot] = meta["window"], seq
+                continue
             key = (str(meta["episode"]), int(meta["index"]))
             if meta.get("selectable") and key[0] in self._episodes:
                 self.matrix.put(key, pin.views["retrieval"], pin.views["history"])

@@ -1,0 +1,137 @@
+"""Selection in the vision process over the window the cache manager publishes: an episode's first
+search waits until the cache manager says the episode's initial window is complete, so the
+reference the pipeline picks does not depend on how far the cache manager had got, and equals the
+one-process choice."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import numpy as np
+import pytest
+import torch
+
+from vla_runtime.cache.entry import reconstruct_entry
+from vla_runtime.cache.manager import CacheManager, stored_images_to_model
+from vla_runtime.cache.repository import ReferenceRepository
+from vla_runtime.engine.policy import Pi05Policy
+from vla_runtime.nodes.profile import CacheSpec
+from vla_runtime.nodes.selection import WindowSelector
+from vla_runtime.nodes.stages import CacheStage, RingNames, manager_config
+from vla_runtime.nodes.working_set import window_state
+
+from .conftest import CAMS
+
+
+@pytest.fixture
+def published(demo):
+    """The demo's cache stage publishing into a private working set, and what selection needs."""
+    policy = Pi05Policy.from_checkpoint(demo["checkpoint"], camera_names=list(CAMS))
+    spec = CacheSpec(enabled=True, repository=str(demo["repo"]), episodes=2, lookahead=2, max_end_matches=0)
+    rings = RingNames.tagged(f"sel{os.getpid()}_{uuid.uuid4().hex[:6]}")
+    stage = CacheStage(policy, spec, rings)
+    assert stage.enabled, stage.disabled_reason
+    repo = ReferenceRepository.open(demo["repo"])
+    yield stage, repo, manager_config(spec, repo), rings
+    stage.close()
+
+
+def test_the_first_search_waits_for_the_initial_window_and_equals_the_one_process_choice(published):
+    stage, repo, cfg, rings = published
+    manager = stage.worker.manager
+    task = repo.tasks()[0]
+    eids = [r.episode_id for r in repo.episodes(task)]
+    # the robot shows what a reference's call 1 showed (its features and state): the best entry
+    query = repo.load_call(eids[-1], 1)
+    features, state = query.retrieval, query.state_history[-1].numpy()
+
+    # one process: the manager's own selection over its complete initial window
+    alone = CacheManager(manager.model, repo, cfg)
+    alone.start_episode(task)
+    alone.observe_state(torch.as_tensor(state))
+    assert alone.select(features) is not None
+    want = alone.last_match.key
+
+    selector = WindowSelector(repo, cfg.retrieval, rings.working_set)
+    try:
+        # the cache manager has begun the episode and published part of its initial window: the
+        # entry a search would pick is there, but the first search must not run on a partial window
+        stage.store.mark_window(window_state(task, 0, ready=False))
+        stage.worker.begin(task, 0)
+        initial = set(manager.entries)
+        held_back = [k for k in initial if k != want][:2]
+        for k in held_back:
+            del manager.entries[k]
+        for call in range(2):
+            choice = selector.choose(call, task, 0, features, state)
+            assert not choice.found and "initial window still being prepared" in choice.reason
+            assert selector.selector.candidate_episodes() == []          # no episodes chosen yet
+        for k in held_back:
+            manager.entries[k] = _rebuilt(manager, repo, k)
+        stage.store.mark_window(window_state(task, 0, ready=True))
+        choice = selector.choose(2, task, 0, features, state)
+        assert choice.found and choice.selection.match.key == want, (choice.reason, choice.selection.match)
+        assert set(choice.selection.candidates) == set(alone.selector.candidate_episodes())
+        got, _ = selector.reader.pin_entry(choice.slot, choice.seq)
+        np.testing.assert_array_equal(got.ffn_out.numpy(), alone.entries[want].ffn_out.numpy())
+        # the same task again: the window still holds episode 0's entries, but episode 1's first
+        # search waits until the cache manager has begun episode 1
+        choice = selector.choose(3, task, 1, features, state)
+        assert not choice.found and "initial window still being prepared" in choice.reason
+        stage.begin(task, 1)
+        assert selector.choose(4, task, 1, features, state).found
+    finally:
+        selector.close()
+
+
+def test_a_restarted_vision_process_selects_from_the_window_the_episode_is_at(published):
+    """A vision process restarted mid-episode starts its selection afresh over the window as it
+    has slid (the initial window is long gone): it does not wait for one."""
+    stage, repo, cfg, rings = published
+    task = repo.tasks()[0]
+    eid = repo.episodes(task)[0].episode_id
+    stage.begin(task, 0)
+    first = WindowSelector(repo, cfg.retrieval, rings.working_set)
+    calls = repo.episodes(task)[0].num_calls
+    for i in range(calls):               # the robot replays reference eid: the window slides along
+        call = repo.load_call(eid, i)
+        choice = first.choose(i, task, 0, call.retrieval, call.state_history[-1].numpy())
+        assert choice.found, choice.reason
+        stage.follow(choice.selection)
+        stage.upkeep()
+    first.close()
+    assert (eid, 0) not in stage.worker.manager.entries        # the window has moved on
+    again = WindowSelector(repo, cfg.retrieval, rings.working_set)
+    try:
+        call = repo.load_call(eid, calls - 1)
+        choice = again.choose(calls, task, 0, call.retrieval, call.state_history[-1].numpy())
+        assert choice.found and choice.selection.match.key == (eid, calls - 1), choice.reason
+    finally:
+        again.close()
+
+
+def test_a_late_note_of_the_episode_before_does_not_take_the_window_back(published):
+    """A call in flight when the robot reset reports its episode's selection after the cache
+    manager began the next one: following it would restart the old episode, then the next call
+    would start the current one a second time."""
+    from vla_runtime.cache.selector import Selection
+
+    stage, repo, _, _ = published
+    task = repo.tasks()[0]
+    stage.begin(task, 1)
+    stage.begin(task, 2)
+    started = stage.worker.episodes_started
+    stage.follow(Selection(7, task, 1, None, reason="initial window still being prepared"))
+    assert stage.worker.episodes_started == started and stage.worker.episode == 2
+    stage.follow(Selection(8, task, 3, None))                 # a later episode is begun from its note
+    assert stage.worker.episodes_started == started + 1 and stage.worker.episode == 3
+
+
+def _rebuilt(manager: CacheManager, repo: ReferenceRepository, key):
+    """Entry ``key`` as the cache manager prepares it (its states, retrieval features, history)."""
+    call = repo.load_call(*key)
+    entry = reconstruct_entry(manager.model, key, stored_images_to_model(call.images), call.image_mask, call.tokens,
+                              call.token_mask, call.masks)
+    entry.retrieval, entry.state_history = call.retrieval, call.state_history
+    return entry
