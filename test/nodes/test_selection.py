@@ -6,6 +6,7 @@ one-process choice."""
 from __future__ import annotations
 
 import os
+import time
 import uuid
 
 import numpy as np
@@ -53,7 +54,7 @@ def test_the_first_search_waits_for_the_initial_window_and_equals_the_one_proces
     assert alone.select(features) is not None
     want = alone.last_match.key
 
-    selector = WindowSelector(repo, cfg.retrieval, rings.working_set)
+    selector = WindowSelector(repo, cfg.retrieval, rings.working_set, first_search_wait_s=600.0)
     try:
         # the cache manager has begun the episode and published part of its initial window: the
         # entry a search would pick is there, but the first search must not run on a partial window
@@ -81,6 +82,28 @@ def test_the_first_search_waits_for_the_initial_window_and_equals_the_one_proces
         assert not choice.found and "initial window still being prepared" in choice.reason
         stage.begin(task, 1)
         assert selector.choose(4, task, 1, features, state).found
+        assert selector.partial_first_searches == 0
+    finally:
+        selector.close()
+
+
+def test_the_wait_for_the_initial_window_is_bounded(published):
+    """A cache manager starved of CPU (or an episode shorter than its window takes to build):
+    once ``first_search_wait_s`` has passed since the episode's first call, the first search runs
+    on what has been published instead of leaving the episode dense."""
+    stage, repo, cfg, rings = published
+    task = repo.tasks()[0]
+    query = repo.load_call(repo.episodes(task)[0].episode_id, 0)
+    features, state = query.retrieval, query.state_history[-1].numpy()
+    stage.store.mark_window(window_state(task, 0, ready=False))
+    stage.worker.begin(task, 0)                    # published, but never marked complete
+    selector = WindowSelector(repo, cfg.retrieval, rings.working_set, first_search_wait_s=0.2)
+    try:
+        assert not selector.choose(0, task, 0, features, state).found
+        time.sleep(0.25)
+        choice = selector.choose(1, task, 0, features, state)
+        assert choice.found and selector.partial_first_searches == 1
+        assert selector.diagnostics()["partial_first_searches"] == "1"
     finally:
         selector.close()
 
@@ -92,7 +115,7 @@ def test_a_restarted_vision_process_selects_from_the_window_the_episode_is_at(pu
     task = repo.tasks()[0]
     eid = repo.episodes(task)[0].episode_id
     stage.begin(task, 0)
-    first = WindowSelector(repo, cfg.retrieval, rings.working_set)
+    first = WindowSelector(repo, cfg.retrieval, rings.working_set, first_search_wait_s=600.0)
     calls = repo.episodes(task)[0].num_calls
     for i in range(calls):               # the robot replays reference eid: the window slides along
         call = repo.load_call(eid, i)
@@ -102,7 +125,7 @@ def test_a_restarted_vision_process_selects_from_the_window_the_episode_is_at(pu
         stage.upkeep()
     first.close()
     assert (eid, 0) not in stage.worker.manager.entries        # the window has moved on
-    again = WindowSelector(repo, cfg.retrieval, rings.working_set)
+    again = WindowSelector(repo, cfg.retrieval, rings.working_set, first_search_wait_s=600.0)
     try:
         call = repo.load_call(eid, calls - 1)
         choice = again.choose(calls, task, 0, call.retrieval, call.state_history[-1].numpy())

@@ -36,6 +36,9 @@ def test_nodes_publish_the_engines_chunk(ros_demo, tmp_path: Path) -> None:
     # episode's last: the fallback past the references would turn later calls dense, and the
     # vision node's newest diagnostics would name no reference. This test is about the chunk.
     profile["cache"]["max_end_matches"] = 0
+    # the episode's first search waits for the complete initial window however loaded the machine
+    # (the bounded default would search a partial one: another reference than in one process)
+    profile["cache"]["first_search_wait_s"] = 240.0
     (tmp_path / "profile.yaml").write_text(yaml.safe_dump(profile))
     # The robot publishes a frame of the small episode bag committed under test/data (decoded to
     # raw images, as the profile's camera topics carry sensor_msgs/Image).
@@ -63,7 +66,7 @@ def test_nodes_publish_the_engines_chunk(ros_demo, tmp_path: Path) -> None:
     # episode's first search, which sees exactly the initial window (nodes/selection.py), after
     # the earlier calls' states entered the joint history, as in-process.
     call_id = got["call_id"]
-    assert call_id <= 5 and report.get("dense_before", 0) <= call_id
+    assert report.get("dense_before", 0) <= call_id
     ran = sorted(int(c) for c in report["reasons"] if int(c) <= call_id)   # the calls the vision node ran
     before = [report["reasons"][str(i)] for i in ran[:-1]]
     assert all(r.startswith(("no working set yet", "initial window still being prepared")) for r in before), before

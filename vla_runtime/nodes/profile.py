@@ -92,6 +92,7 @@ class CacheSpec:
     first_scene_floor: bool = False   # also run dense an episode whose first scene is less like the repository
     #                                   than any reference's first scene is to the others (retrieval.first_call_floors)
     max_end_matches: int = 3     # an episode matching references' last calls more often runs dense (0: no limit)
+    first_search_wait_s: float = 1.0   # an episode's first search waits at most this long for its initial window
 
     def __post_init__(self) -> None:
         # one spelling from here on ("auto" | "on" | "off"); anything else is refused naming the key
@@ -212,6 +213,9 @@ class RobotProfile:
             raise bad("cache.first_scene_floor", f"must be true or false, got {c.first_scene_floor!r}")
         if isinstance(c.max_end_matches, bool) or not isinstance(c.max_end_matches, int) or c.max_end_matches < 0:
             raise bad("cache.max_end_matches", f"must be an integer >= 0 (0: no limit), got {c.max_end_matches!r}")
+        w = c.first_search_wait_s
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not (math.isfinite(w) and w >= 0):
+            raise bad("cache.first_search_wait_s", f"must be a number of seconds >= 0, got {w!r}")
         if c.enabled and c.context_cache == c.action_cache == "off":
             raise bad("cache", "enabled with both context_cache and action_cache off: set enabled: false instead")
         ds = self.dataset

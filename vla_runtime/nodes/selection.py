@@ -12,11 +12,14 @@ there, not ready or of another camera layout means a dense call, never a wait.
 An episode's first search picks the top-T reference episodes it follows to its end, so it waits
 (dense calls) until the cache manager says the episode's initial window is complete
 (``window_state``): what the pipeline selects then does not depend on how far the cache manager
-had got, and equals what one process selects.
+had got, and equals what one process selects. The wait is bounded (``first_search_wait_s`` from
+the episode's first call): a cache manager starved of CPU, or an episode too short for its window,
+then searches what has been published rather than running the whole episode dense.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,8 +59,12 @@ class WindowSelector:
     ``retrieval`` is the same configuration the cache manager was given (thresholds, floors).
     """
 
-    def __init__(self, repo: ReferenceRepository, retrieval: RetrievalConfig, working_set: str):
+    def __init__(self, repo: ReferenceRepository, retrieval: RetrievalConfig, working_set: str,
+                 first_search_wait_s: float = 1.0):
         self.name = working_set
+        self.first_search_wait_s = first_search_wait_s
+        self.episode_t0 = 0.0          # monotonic time of the episode's first call
+        self.partial_first_searches = 0   # first searches run on an incomplete window (the wait ran out)
         self.episodes = {t: {r.episode_id: r.num_calls for r in repo.episodes(t)} for t in repo.tasks()}
         layout = repo.call_layout or {}
         if "state_history" not in layout:
@@ -75,6 +82,7 @@ class WindowSelector:
         if (task, episode) != self.episode_key:
             self.episode_key = (task, episode)
             self.selector.start_episode(task)
+            self.episode_t0 = time.monotonic()
         self.selector.observe_state(torch.as_tensor(np.asarray(state, dtype=np.float32)))
         if task not in self.episodes:
             return Choice(Selection(request_seq, task, episode, None,
@@ -86,9 +94,11 @@ class WindowSelector:
         self.mirror.follow_task(task, self.episodes[task])
         self.mirror.refresh()
         if not self.selector.candidate_episodes() and self.mirror.window != window_state(task, episode, True):
-            return Choice(Selection(request_seq, task, episode, None,
-                                    reason="initial window still being prepared (the episode's first search "
-                                           "waits for it)"))
+            if time.monotonic() - self.episode_t0 < self.first_search_wait_s:
+                return Choice(Selection(request_seq, task, episode, None,
+                                        reason=f"initial window still being prepared (the episode's first search "
+                                               f"waits up to {self.first_search_wait_s:g} s for it)"))
+            self.partial_first_searches += 1
         try:
             match = self.selector.select(features)
         except ValueError as e:   # e.g. a camera layout the references were not recorded with
@@ -130,6 +140,7 @@ class WindowSelector:
         return {"queries": str(st.queries), "hits": str(st.hits), "hit_rate": f"{rate:.3f}",
                 "fallbacks": str(st.fallbacks), "stalls": str(st.stalls), "past_end": str(st.past_end),
                 "last_similarity": f"{st.last_similarity:.4f}", "torn_references": str(self.torn),
+                "partial_first_searches": str(self.partial_first_searches),
                 "window_entries": str(0 if self.mirror is None else len(self.mirror))}
 
     def close(self) -> None:

@@ -209,7 +209,7 @@ class VisionStage:
         if cc is not None and not cc.dense and repo is not None:
             try:
                 self.selector = WindowSelector(repo, manager_config(cache, repo, arm_slices).retrieval,
-                                               rings.working_set)
+                                               rings.working_set, cache.first_search_wait_s)
             except ValueError as e:
                 log.warning("muscle-memory cache disabled, running dense: %s", e)
         self.prefix = RingBuffer.create(rings.prefix, prefix_layout(self.worker.spec), slots, replace_stale=True)

@@ -123,7 +123,9 @@ def run_pipeline_soak(work: str | Path, calls: int = 200, warmup: int = 20, samp
         for i in range(i0, i0 + n):
             ep, frame = frames[i % len(frames)]
             if frame is ep.frames[0]:
-                pipeline.start_episode()          # each replay of an episode is a new episode
+                # each replay of an episode is a new episode, announced as a robot's reset would:
+                # the cache manager builds its initial window before the first call
+                pipeline.start_episode(ep.task)
             res = pipeline.call(frame.images, np.asarray(frame.state), ep.task, start_tick=i)
             stats["calls"] += 1
             stats["nan_calls"] += int(not np.isfinite(res.chunk).all())
