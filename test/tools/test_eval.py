@@ -203,6 +203,10 @@ def test_the_context_cache_alone_serves_the_prefill_and_denoises_dense(setup):
     report = evaluate(spec, log=lambda m: None)
     assert report["caches"] == ["context"]
     assert report["modes"]["cached"]["overall"]["cached_calls"] >= 1
+    # one mode alone: the paragraph reads its own success and call time (nothing to compare)
+    a = report["modes"]["cached"]["overall"]
+    assert f"The cached policy succeeded on {a['successes']} of {a['episodes']} episodes" in \
+        (spec.out / "eval.md").read_text()
     with pytest.raises(ValueError, match="caches must be"):
         EvalSpec(checkpoint=setup["checkpoint"], out=setup["root"], caches=("prefill",))
     with pytest.raises(ValueError, match="caches must be"):

@@ -571,7 +571,8 @@ def reading(report: dict[str, Any]) -> str:
     c = modes["cached"]["overall"] if "cached" in modes else None
     per_task = report["episodes_per_task"]
     if d is None or c is None or "comparison" not in report:
-        m, a = next(iter(modes.items()))
+        m = next(iter(modes))
+        a = modes[m]["overall"]
         return (f"The {m} policy succeeded on {a['successes']} of {a['episodes']} episodes ({per_task} per task) "
                 f"at {_ms(a['mean_call_s'])} per policy call.")
     comp = report["comparison"]

@@ -53,7 +53,7 @@ def stream(r: dict[str, Any]) -> str:
     rows = [f"{'mode':<22} {'stalls':>7} {'reaction':>10} {'vs sync':>8} {'jerk@boundary':>14} {'late':>5}"]
     for mode, s in r["summary"].items():
         react = "-" if s["reaction_median_ms"] is None else f"{s['reaction_median_ms']:.0f} ms"
-        cut = "-" if s["reaction_reduction_vs_sync"] is None else f"{-s['reaction_reduction_vs_sync']:+.0%}"
+        cut = "-" if s["reaction_reduction_vs_sync"] is None else f"{0.0 - s['reaction_reduction_vs_sync']:+.0%}"
         rows.append(f"{mode:<22} {s['stall_rate']:>7.1%} {react:>10} {cut:>8} {s['boundary_rms_jerk']:>14.2f} "
                     f"{s['late_chunks']:>5}")
     latency = r["latency"] if isinstance(r["latency"], str) else f"{r['latency']['injected_ms']:g} ms injected"
