@@ -47,7 +47,6 @@ def _add_dataset_args(p: argparse.ArgumentParser) -> None:
 
 def _bench(args: argparse.Namespace) -> int:
     from .tools import summaries
-    from .tools.summaries import emit
 
     if args.stream:
         from .tools.stream_bench import StreamBenchSpec, run_stream_bench
@@ -57,12 +56,12 @@ def _bench(args: argparse.Namespace) -> int:
                                duration_s=args.duration, control_hz=args.control_hz, n_execute=args.n_execute,
                                stream_horizon=None if args.stream_horizon == 0 else args.stream_horizon,
                                modes=modes, threads=args.threads, seed=args.seed)
-        emit(run_stream_bench(spec, log=_log), args.out, summaries.stream)
+        summaries.emit(run_stream_bench(spec, log=_log), args.out, summaries.stream)
         return 0
     if args.history:
         from .tools.history_bench import run_history_bench
 
-        emit(run_history_bench(args.preset, frames=args.history, calls=args.repeats, prompt_tokens=args.prompt_tokens,
+        summaries.emit(run_history_bench(args.preset, frames=args.history, calls=args.repeats, prompt_tokens=args.prompt_tokens,
                                threads=args.threads, seed=args.seed, log=_log, progress=bars), args.out,
              summaries.history)
         return 0
@@ -81,12 +80,12 @@ def _bench(args: argparse.Namespace) -> int:
         spec = CacheBenchSpec(checkpoint=args.checkpoint, repository=args.cache, **source,
                               call_period=args.call_period, rho_p=args.rho_p,
                               time_available_s=args.time_available, threads=args.threads, seed=args.seed)
-        emit(run_cache_bench(spec, log=_log, progress=bars), args.out, summaries.cache_bench)
+        summaries.emit(run_cache_bench(spec, log=_log, progress=bars), args.out, summaries.cache_bench)
         return 0
     from .tools.bench import BenchSpec, run_bench
 
     spec = BenchSpec(**{f.name: getattr(args, f.name) for f in fields(BenchSpec)})
-    emit(run_bench(spec, log=_log, progress=bars), args.out, summaries.bench)
+    summaries.emit(run_bench(spec, log=_log, progress=bars), args.out, summaries.bench)
     return 0
 
 
