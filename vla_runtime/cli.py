@@ -61,9 +61,10 @@ def _bench(args: argparse.Namespace) -> int:
     if args.history:
         from .tools.history_bench import run_history_bench
 
-        summaries.emit(run_history_bench(args.preset, frames=args.history, calls=args.repeats, prompt_tokens=args.prompt_tokens,
-                               threads=args.threads, seed=args.seed, log=_log, progress=bars), args.out,
-             summaries.history)
+        result = run_history_bench(args.preset, frames=args.history, calls=args.repeats,
+                                   prompt_tokens=args.prompt_tokens, threads=args.threads, seed=args.seed, log=_log,
+                                   progress=bars)
+        summaries.emit(result, args.out, summaries.history)
         return 0
     if args.cache:
         from .tools.cache_bench import CacheBenchSpec, run_cache_bench
