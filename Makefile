@@ -43,8 +43,8 @@ CAMS   := --camera top=/cameras/top/image_raw --camera wrist=/cameras/wrist/imag
 # Main job: the trained Meta-World policy (checkpoints/pi05-mw-metaworld, our pi0.5 architecture)
 # in closed loop through the three-process pipeline, dense vs cached on the same seeds: the dense
 # policy first records reference episodes (their own seeds), build-cache turns them into the
-# repository, then both modes run. Prints a line per episode, then the table; writes
-# out/closed_loop/eval.{json,md,png}. A few minutes on 2 cores.
+# repository, then both modes run. Shows a progress bar per phase (stderr), then prints the table,
+# a paragraph reading it and the paths of out/closed_loop/eval.{json,md,png}. A few minutes on 2 cores.
 DEMO_TASKS := --task button-press-topdown-v3 --task drawer-close-v3 --task handle-press-v3
 demo: setup
 	rm -rf out/closed_loop

@@ -11,13 +11,15 @@ from typing import TYPE_CHECKING
 from .models.checkpoint import CheckpointError
 from .models.config import PRESETS
 from .nodes.profile import CacheSpec
+from .progress import bars, note
 
 if TYPE_CHECKING:
     from .io.bags import BagTopics
 
 
 def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    """Progress notes go to stderr (around any open bar); stdout keeps the result alone."""
+    note(msg)
 
 
 def _camera_topics(items: list[str]) -> dict[str, str]:
@@ -44,8 +46,9 @@ def _add_dataset_args(p: argparse.ArgumentParser) -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    from .tools import summaries
+
     if args.stream:
-        from .tools.bench import write_json as write_stream
         from .tools.stream_bench import StreamBenchSpec, run_stream_bench
 
         modes = tuple(m.strip() for m in args.stitch.split(",") if m.strip())
@@ -53,18 +56,17 @@ def _bench(args: argparse.Namespace) -> int:
                                duration_s=args.duration, control_hz=args.control_hz, n_execute=args.n_execute,
                                stream_horizon=None if args.stream_horizon == 0 else args.stream_horizon,
                                modes=modes, threads=args.threads, seed=args.seed)
-        write_stream(run_stream_bench(spec, log=_log), args.out)
+        summaries.emit(run_stream_bench(spec, log=_log), args.out, summaries.stream)
         return 0
     if args.history:
-        from .tools.bench import write_json as write_history
         from .tools.history_bench import run_history_bench
 
-        write_history(run_history_bench(args.preset, frames=args.history, calls=args.repeats,
-                                        prompt_tokens=args.prompt_tokens, threads=args.threads, seed=args.seed,
-                                        log=_log), args.out)
+        result = run_history_bench(args.preset, frames=args.history, calls=args.repeats,
+                                   prompt_tokens=args.prompt_tokens, threads=args.threads, seed=args.seed, log=_log,
+                                   progress=bars)
+        summaries.emit(result, args.out, summaries.history)
         return 0
     if args.cache:
-        from .tools.bench import write_json as write
         from .tools.cache_bench import CacheBenchSpec, run_cache_bench
 
         if args.dataset:
@@ -79,12 +81,12 @@ def _bench(args: argparse.Namespace) -> int:
         spec = CacheBenchSpec(checkpoint=args.checkpoint, repository=args.cache, **source,
                               call_period=args.call_period, rho_p=args.rho_p,
                               time_available_s=args.time_available, threads=args.threads, seed=args.seed)
-        write(run_cache_bench(spec, log=_log), args.out)
+        summaries.emit(run_cache_bench(spec, log=_log, progress=bars), args.out, summaries.cache_bench)
         return 0
-    from .tools.bench import BenchSpec, run_bench, write_json
+    from .tools.bench import BenchSpec, run_bench
 
     spec = BenchSpec(**{f.name: getattr(args, f.name) for f in fields(BenchSpec)})
-    write_json(run_bench(spec, log=_log), args.out)
+    summaries.emit(run_bench(spec, log=_log, progress=bars), args.out, summaries.bench)
     return 0
 
 
@@ -153,16 +155,15 @@ def _build_cache(args: argparse.Namespace) -> int:
     if args.admit:
         repo = ReferenceRepository.open(args.out, expect_checkpoint_hash=policy.checkpoint_hash)
         for ref in refs:
-            admit_reference(policy, repo, ref, args.call_period, args.max_episodes_per_task, log=_log)
+            admit_reference(policy, repo, ref, args.call_period, args.max_episodes_per_task, log=print)
         return 0
+    from .tools import summaries
+
     summary = build_repository_from(policy, policy.checkpoint_hash, refs, Path(args.out), args.call_period,
                                     BuildConfig(rho_n=args.rho_n, history_len=args.history), args.profile,
-                                    tolerance=args.tolerance, adopt_profiled=args.adopt_profiled, log=_log)
-    text = json.dumps(summary.as_dict(), indent=2)
-    if args.summary:
-        Path(args.summary).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.summary).write_text(text)
-    print(text)
+                                    tolerance=args.tolerance, adopt_profiled=args.adopt_profiled, log=_log,
+                                    progress=bars)
+    summaries.emit(summary.as_dict(), args.summary, summaries.build)
     return 0
 
 
@@ -233,12 +234,9 @@ def _eval(args: argparse.Namespace) -> int:
                     min_similarity=args.min_similarity, first_scene_floor=args.first_scene_floor,
                     max_end_matches=args.max_end_matches,
                     engine=EngineSpec(threads=args.threads))
-    report = evaluate(spec, log=_log)
-    from pathlib import Path
+    from .tools.eval import summary
 
-    print(Path(spec.out, "eval.md").read_text())
-    if "comparison" in report:   # one mode alone has nothing to compare
-        print(json.dumps(report["comparison"], indent=2))
+    print(summary(evaluate(spec, log=_log, progress=bars), spec.out))
     return 0
 
 
@@ -292,7 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--gemm-size", dest="gemm_size", type=int, default=2048, help="square matmul size for the throughput ceiling")
-    b.add_argument("--out", default=None, help="also write the JSON here")
+    b.add_argument("--out", default=None, help="write the JSON here (stdout gets a short summary; '-': the JSON on "
+                                               "stdout instead)")
     b.add_argument("--cache", default=None, metavar="REPO",
                    help="dense vs cached on recorded episodes (--bags) with this reference repository")
     b.add_argument("--bags", default=None, help="with --cache: directory of held-out episode bags")
@@ -346,7 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--admit", action="store_true", help="admit the bags online into an existing repository")
     c.add_argument("--max-episodes-per-task", dest="max_episodes_per_task", type=int, default=50,
                    help="bound on the repository with --admit (oldest evicted)")
-    c.add_argument("--summary", default=None, help="also write the build summary JSON here")
+    c.add_argument("--summary", default=None, help="write the build summary JSON here (stdout gets a short summary; "
+                                                   "'-': the JSON on stdout instead)")
     c.set_defaults(func=_build_cache)
 
     k = sub.add_parser("soak", help="many consecutive calls in bf16 against fp32: NaN/Inf and drift (JSON)")

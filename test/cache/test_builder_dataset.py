@@ -32,13 +32,16 @@ def files(tmp_path_factory):
 
 
 def test_build_cache_cli(files, tmp_path, capsys):
-    out = tmp_path / "repo"
+    out, written = tmp_path / "repo", tmp_path / "build.json"
     assert main(["build-cache", "--dataset", files["dataset"], "--checkpoint", files["checkpoint"], "--out", str(out),
-                 "--episodes", "0-2", "--call-period", "0.5"]) == 0
+                 "--episodes", "0-2", "--call-period", "0.5", "--summary", str(written)]) == 0
     captured = capsys.readouterr()
-    summary = json.loads(captured.out)
+    summary = json.loads(written.read_text())
     assert summary["episodes"] == 3 and summary["calls"] == 3 * CALLS_PER_EPISODE and summary["skipped"] == []
-    assert "[1/3]" in captured.err and "episode=0" in captured.err      # progress on stderr
+    # progress on stderr (the recording bar's last state: 3 of 3 episodes), a short summary on stdout
+    assert "recording references" in captured.err and "3/3" in captured.err
+    assert f"repository {out}: 3 episode(s), {3 * CALLS_PER_EPISODE} calls" in captured.out
+    assert str(written) in captured.out and "{" not in captured.out
     policy = Pi05Policy.from_checkpoint(files["checkpoint"], camera_names=list(CAMERAS[:2]))
     repo = ReferenceRepository.open(out, expect_checkpoint_hash=policy.checkpoint_hash)
     assert sorted(repo.tasks()) == sorted(TASKS)
@@ -71,8 +74,8 @@ def test_profile_and_admit(files, tmp_path, capsys):
     out = tmp_path / "repo"
     # task 0 has episodes 0 and 2: one is held out to profile against the other
     assert main(["build-cache", "--dataset", files["dataset"], "--checkpoint", files["checkpoint"], "--out", str(out),
-                 "--episodes", "0,2", "--profile", "1"]) == 0
-    summary = json.loads(capsys.readouterr().out)
+                 "--episodes", "0,2", "--profile", "1", "--summary", "-"]) == 0
+    summary = json.loads(capsys.readouterr().out)    # --summary -: the JSON on stdout, for a pipe
     assert summary["episodes"] == 2 and len(summary["profile"]) == 4
     assert summary["profile"][-1]["hits"] > 0 and summary["profile"][-1]["mean_deviation"] < 1e-4  # rho 1 == dense
     assert main(["build-cache", "--dataset", files["dataset"], "--checkpoint", files["checkpoint"], "--out", str(out),

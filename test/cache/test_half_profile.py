@@ -55,7 +55,7 @@ def test_cli_build_cache_profile_writes_the_timing_into_the_summary_and_the_inde
     out, summary = tmp_path / "repo", tmp_path / "build.json"
     assert main(["build-cache", "--checkpoint", demo["checkpoint"], "--bags", demo["references"], "--out", str(out),
                  *cams, "--profile", "1", "--summary", str(summary)]) == 0
-    assert "halves: context cache prefill" in capsys.readouterr().err   # the log line
+    assert "each half against dense: context cache " in capsys.readouterr().out   # the printed summary
     written = json.loads(summary.read_text())["half_timing"]
     assert written == json.loads((out / "index.json").read_text())["half_timing"]
     assert HalfTiming.from_dict(written) == ReferenceRepository.open(out).meta.half_timing

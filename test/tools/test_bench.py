@@ -49,6 +49,16 @@ def test_cli_bench_writes_json(tmp_path: Path, capsys):
                  "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["spec"]["cameras"] == 1 and data["median_s"]["total"] > 0
+    # stdout: a short summary with the JSON's own figures and where the JSON is; the bar on stderr
+    printed = capsys.readouterr()
+    assert "{" not in printed.out and str(out) in printed.out and len(printed.out.splitlines()) <= 8
+    total = next(line for line in printed.out.splitlines() if line.split()[:1] == ["total"])
+    assert f"{1e3 * data['median_s']['total']:.1f} ms" in total
+    assert "calls (1 warm-up, 1 timed)" in printed.err
+    # --out -: the JSON alone on stdout, for a pipe
+    assert main(["bench", "--preset", "pi05-tiny", "--cameras", "1", "--repeats", "1", "--gemm-size", "128",
+                 "--out", "-"]) == 0
+    assert json.loads(capsys.readouterr().out)["spec"]["cameras"] == 1
 
 
 def test_cli_inspect_and_refusal(tiny_checkpoint_dir: Path, tmp_path: Path, capsys):

@@ -22,7 +22,9 @@ from vla_runtime.nodes.profile import EngineSpec
 from vla_runtime.sim.metaworld_env import DEFAULT_CAMERAS, TASK_INSTRUCTIONS, MetaWorldConfig, MetaWorldTask
 from vla_runtime.tools.demo import write_random_checkpoint
 from vla_runtime.tools import eval as eval_tool
-from vla_runtime.tools.eval import EpisodeResult, EvalSpec, evaluate, paired, pool, table as eval_table
+from vla_runtime.testing.progress import RecordingBars
+from vla_runtime.tools.eval import EpisodeResult, EvalSpec, evaluate, paired, pool, summary as eval_summary
+from vla_runtime.tools.eval import table as eval_table
 from vla_runtime.tools.metaworld_demos import ACTION_TOPIC, bag_topics, record_episode
 
 TASK = "button-press-topdown-v3"
@@ -52,12 +54,13 @@ def setup(tmp_path_factory) -> dict:
 def test_eval_reports_consistent_numbers(setup):
     spec = EvalSpec(checkpoint=setup["checkpoint"], out=setup["root"] / "out", tasks=(TASK,), episodes=2,
                     n_execute=4, max_steps=10, image_size=32, repository=setup["repo"])
-    lines: list[str] = []
-    report = evaluate(spec, log=lines.append)
-    # the modes take turns episode by episode, so their times are measured side by side
-    episode_lines = [line.split()[:3] for line in lines if line.split()[1:2] == [TASK]]
-    assert episode_lines == [["dense", TASK, "1/2:"], ["cached", TASK, "1/2:"],
-                             ["dense", TASK, "2/2:"], ["cached", TASK, "2/2:"]]
+    bars = RecordingBars()
+    report = evaluate(spec, log=lambda m: None, progress=bars)
+    # the modes take turns episode by episode, so their times are measured side by side (the
+    # evaluation bar's postfix names each episode as it ends)
+    evaluation = bars.postfixes["evaluation (dense, cached in turn)"]
+    assert [p.split()[:3] for p in evaluation] == [["dense", TASK, "1/2"], ["cached", TASK, "1/2"],
+                                                   ["dense", TASK, "2/2"], ["cached", TASK, "2/2"]]
     on_disk = json.loads((spec.out / "eval.json").read_text())
     lengths = {e.episode_id: e.num_calls for e in ReferenceRepository.open(setup["repo"]).episodes()}
     assert on_disk["max_steps"] == spec.max_steps and on_disk["n_execute"] == spec.n_execute
@@ -110,6 +113,18 @@ def test_eval_reports_consistent_numbers(setup):
         assert auto[half] == (auto["half_timing"][half]["speedup"] > 1.0)
     assert ReferenceRepository.open(setup["repo"]).meta.half_timing is None
     assert on_disk["auto"]["reason"] == auto["reason"] and "with `auto` on this machine the runtime would run" in table
+    # every bar ran to its total and was closed; what the command prints is the table, one
+    # paragraph reading it with the report's own figures, and where the files are: no JSON
+    assert all(b.closed and b.count == b.total for b in bars.bars)
+    printed = eval_summary(report, spec.out)
+    assert [line for line in printed.splitlines() if line.startswith("|")] == \
+        [line for line in table.splitlines() if line.startswith("|")][:4]      # header, rule, the task, overall
+    assert "{" not in printed and all(str(spec.out / f) in printed for f in ("eval.json", "eval.md", "eval.png"))
+    paragraph = printed.split("\n\n")[1]
+    assert "\n\n" not in paragraph.strip() and paragraph in printed and paragraph.replace("\n", " ") in table
+    c, pr = report["comparison"], report["comparison"]["paired"]["overall"]
+    assert f"({c['speedup_per_call']:.2f}x)" in paragraph.replace("\n", " ")
+    assert f"On the same {pr['pairs']} seeds" in paragraph
 
 
 def test_eval_refuses_overlapping_seeds(setup, tmp_path):
@@ -188,6 +203,10 @@ def test_the_context_cache_alone_serves_the_prefill_and_denoises_dense(setup):
     report = evaluate(spec, log=lambda m: None)
     assert report["caches"] == ["context"]
     assert report["modes"]["cached"]["overall"]["cached_calls"] >= 1
+    # one mode alone: the paragraph reads its own success and call time (nothing to compare)
+    a = report["modes"]["cached"]["overall"]
+    assert f"The cached policy succeeded on {a['successes']} of {a['episodes']} episodes" in \
+        (spec.out / "eval.md").read_text()
     with pytest.raises(ValueError, match="caches must be"):
         EvalSpec(checkpoint=setup["checkpoint"], out=setup["root"], caches=("prefill",))
     with pytest.raises(ValueError, match="caches must be"):
@@ -203,7 +222,7 @@ def test_a_repository_built_by_eval_runs_at_profiled_ratios_unless_given(setup, 
     for k in range(2):   # two "successful reference episodes" of the task: the expert's demo, twice
         shutil.copytree(setup["bag"], tmp_path / f"ref{k}")
         bags.append(tmp_path / f"ref{k}")
-    monkeypatch.setattr(eval_tool, "record_references", lambda spec, log: (bags, {TASK: 2}))
+    monkeypatch.setattr(eval_tool, "record_references", lambda spec, log, progress: (bags, {TASK: 2}))
     ratios = {"rho_p": 0.6, "rho_n": 0.75} if given else {}
     spec = EvalSpec(checkpoint=setup["checkpoint"], out=tmp_path / "out", tasks=(TASK,), episodes=1, n_execute=4,
                     max_steps=4, image_size=32, profile_episodes=1, engine=EngineSpec(threads=1), **ratios)

@@ -27,6 +27,7 @@ from ..io.episode_sources import EpisodeRef, bag_refs
 from ..models.config import Pi05Config
 from ..models.gemma import DenoiseFFN
 from ..models.pi05 import Pi05Model
+from ..progress import Progress, silent
 from ..tools.flops import cached_flops, dense_flops
 from .entry import PreparedEntry, reconstruct_entry
 from .half_profile import TimingCase, time_halves
@@ -93,7 +94,7 @@ class EpisodeRecorder:
         self.cfg = cfg.validate(policy.engine.cfg.num_steps)
         self.engine = _ProfilingEngine(policy.engine.model)
 
-    def record(self, episode: Episode, log: Log = lambda m: None) -> list[RecordedCall]:
+    def record(self, episode: Episode) -> list[RecordedCall]:
         out: list[RecordedCall] = []
         states: list[Tensor] = []
         n = self.cfg.history_len
@@ -113,7 +114,6 @@ class EpisodeRecorder:
                 retrieval=result.retrieval_features[0].flatten(0, 1).to(torch.float16).cpu(),
                 masks=group_masks(scores, self.cfg.groups, self.cfg.rho_n).to(torch.int32).cpu())
             out.append(RecordedCall(call, scores, inputs, noise, result.actions))
-            log(f"  call {i + 1}/{len(episode.frames)}")
         return out
 
 
@@ -158,7 +158,7 @@ def _relative_l2(a: Tensor, b: Tensor) -> float:
 @torch.no_grad()
 def profile_ratios(model: Pi05Model, references: dict[str, list[RecordedCall]], held_out: dict[str, list[RecordedCall]],
                    task_of: dict[str, str], grid: Sequence[tuple[float, float]], groups: Groups,
-                   retrieval: RetrievalConfig, log: Log = lambda m: None
+                   retrieval: RetrievalConfig, progress: Progress = silent
                    ) -> tuple[list[ProfilePoint], list[ProfiledCall]]:
     """Replay held-out episodes against the references: dense vs cached at every grid point.
 
@@ -183,38 +183,39 @@ def profile_ratios(model: Pi05Model, references: dict[str, list[RecordedCall]], 
     cfg = model.cfg
     calls = 0
     matched: list[ProfiledCall] = []
-    for eid, recs in held_out.items():
-        task = task_of[eid]
-        retriever.start_episode(task, max_calls=max(len(c) for c in references.values()))
-        for i, rec in enumerate(recs):
-            calls += 1
-            d = dense.infer(rec.inputs, noise=rec.noise)
-            match = retriever.query(d.retrieval_features, rec.call.state_history)
-            if match is None:
-                continue
-            ref = references[match.episode_id][match.index]
-            if match.key not in entries:
-                c = ref.call
-                entries[match.key] = reconstruct_entry(
-                    model, match.key, (c.images.permute(0, 3, 1, 2).float() / 127.5 - 1.0).to(d.actions.device),
-                    c.image_mask, c.tokens, c.token_mask, None)
-            base = entries[match.key]
-            matched.append(ProfiledCall(rec, ref, base))
-            for rho_p, rho_n in grid:
-                entry = PreparedEntry(base.key, base.ffn_in, base.ffn_out, base.image_mask,
-                                      group_masks(ref.scores, groups, rho_n))
-                out = engines[(rho_p, rho_n)].infer(rec.inputs, noise=rec.noise, select=lambda f, x, e=entry: e)
-                devs[(rho_p, rho_n)].append(_relative_l2(out.actions, d.actions))
-                speed[(rho_p, rho_n)].append(d.times.total / out.times.total)
-                for ph in ("prefill", "denoise"):
-                    phase_speed[(rho_p, rho_n)][ph].append(d.times.seconds[ph] / out.times.seconds[ph])
-                cams = int(rec.inputs.image_mask.sum())
-                visual = cams * cfg.num_image_tokens
-                prefix = visual + int(rec.inputs.token_mask.sum())
-                flops[(rho_p, rho_n)].append(cached_flops(cfg, prefix, visual, rho_p, rho_n, len(groups))
-                                             / dense_flops(cfg, prefix, cams))
-            log(f"  profiled {eid} call {i + 1}/{len(recs)} (reference {match.episode_id}[{match.index}], "
-                f"similarity {match.similarity:.3f})")
+    with progress("profiling rho_p/rho_n", sum(len(r) for r in held_out.values()), "call") as bar:
+        for eid, recs in held_out.items():
+            task = task_of[eid]
+            retriever.start_episode(task, max_calls=max(len(c) for c in references.values()))
+            for rec in recs:
+                calls += 1
+                bar.update()
+                d = dense.infer(rec.inputs, noise=rec.noise)
+                match = retriever.query(d.retrieval_features, rec.call.state_history)
+                bar.set_postfix_str(f"{eid}, matched {len(matched) + (match is not None)}/{calls}", refresh=False)
+                if match is None:
+                    continue
+                ref = references[match.episode_id][match.index]
+                if match.key not in entries:
+                    c = ref.call
+                    entries[match.key] = reconstruct_entry(
+                        model, match.key, (c.images.permute(0, 3, 1, 2).float() / 127.5 - 1.0).to(d.actions.device),
+                        c.image_mask, c.tokens, c.token_mask, None)
+                base = entries[match.key]
+                matched.append(ProfiledCall(rec, ref, base))
+                for rho_p, rho_n in grid:
+                    entry = PreparedEntry(base.key, base.ffn_in, base.ffn_out, base.image_mask,
+                                          group_masks(ref.scores, groups, rho_n))
+                    out = engines[(rho_p, rho_n)].infer(rec.inputs, noise=rec.noise, select=lambda f, x, e=entry: e)
+                    devs[(rho_p, rho_n)].append(_relative_l2(out.actions, d.actions))
+                    speed[(rho_p, rho_n)].append(d.times.total / out.times.total)
+                    for ph in ("prefill", "denoise"):
+                        phase_speed[(rho_p, rho_n)][ph].append(d.times.seconds[ph] / out.times.seconds[ph])
+                    cams = int(rec.inputs.image_mask.sum())
+                    visual = cams * cfg.num_image_tokens
+                    prefix = visual + int(rec.inputs.token_mask.sum())
+                    flops[(rho_p, rho_n)].append(cached_flops(cfg, prefix, visual, rho_p, rho_n, len(groups))
+                                                 / dense_flops(cfg, prefix, cams))
     points = []
     for p in grid:
         v = devs[p]
@@ -229,13 +230,13 @@ def profile_ratios(model: Pi05Model, references: dict[str, list[RecordedCall]], 
 
 
 def time_profiled_halves(model: Pi05Model, matched: Sequence[ProfiledCall], rho_p: float, rho_n: float,
-                         groups: Groups, repeats: int = 3, log: Log = lambda m: None) -> HalfTiming:
+                         groups: Groups, repeats: int = 3, progress: Progress = silent) -> HalfTiming:
     """Each half against dense on the profiled calls, the reference masks rebuilt at ``rho_n``."""
     cases = [TimingCase(m.held_out.inputs, m.held_out.noise,
                         PreparedEntry(m.entry.key, m.entry.ffn_in, m.entry.ffn_out, m.entry.image_mask,
                                       group_masks(m.reference.scores, groups, rho_n)))
              for m in matched]
-    return time_halves(model, cases, rho_p, rho_n, groups, repeats=repeats, log=log)
+    return time_halves(model, cases, rho_p, rho_n, groups, repeats=repeats, progress=progress)
 
 
 def choose_ratios(points: Sequence[ProfilePoint], tolerance: float) -> ProfilePoint | None:
@@ -266,17 +267,18 @@ def build_repository(policy: Pi05Policy, checkpoint_hash: str, bags: Sequence[Pa
                      call_period: float, cfg: BuildConfig = BuildConfig(), profile_held_out: int = 0,
                      grid: Sequence[tuple[float, float]] = DEFAULT_GRID, tolerance: float = 0.05,
                      retrieval: RetrievalConfig = RetrievalConfig(), adopt_profiled: bool = False,
-                     half_repeats: int = 3, log: Log = print) -> BuildSummary:
+                     half_repeats: int = 3, log: Log = print, progress: Progress = silent) -> BuildSummary:
     """:func:`build_repository_from` over rosbag2 bags read with ``topics``."""
     return build_repository_from(policy, checkpoint_hash, bag_refs(bags, topics), out, call_period, cfg,
-                                 profile_held_out, grid, tolerance, retrieval, adopt_profiled, half_repeats, log)
+                                 profile_held_out, grid, tolerance, retrieval, adopt_profiled, half_repeats, log,
+                                 progress)
 
 
 def build_repository_from(policy: Pi05Policy, checkpoint_hash: str, episodes: Sequence[EpisodeRef], out: Path,
                           call_period: float, cfg: BuildConfig = BuildConfig(), profile_held_out: int = 0,
                           grid: Sequence[tuple[float, float]] = DEFAULT_GRID, tolerance: float = 0.05,
                           retrieval: RetrievalConfig = RetrievalConfig(), adopt_profiled: bool = False,
-                          half_repeats: int = 3, log: Log = print) -> BuildSummary:
+                          half_repeats: int = 3, log: Log = print, progress: Progress = silent) -> BuildSummary:
     """Record every successful episode, optionally profile the ratios, write the repository.
 
     Episodes are read one at a time (a bag or a dataset episode alike); one with an unknown
@@ -285,7 +287,9 @@ def build_repository_from(policy: Pi05Policy, checkpoint_hash: str, episodes: Se
     runtime); otherwise the configured rho_n is kept and the curve is a report. Profiling also
     times each half against dense (``half_repeats`` repeats) at the rho_p it suggests (the engine
     default when none qualifies) and the stored rho_n, and records it in the repository: what
-    ``cache.context_cache: auto`` / ``action_cache: auto`` decide from.
+    ``cache.context_cache: auto`` / ``action_cache: auto`` decide from. ``log`` gets the few lines
+    worth keeping (the profile table, the result); ``progress`` one bar per phase (recording,
+    profiling, timing).
     """
     t0 = time.perf_counter()
     model = policy.engine.model
@@ -295,17 +299,20 @@ def build_repository_from(policy: Pi05Policy, checkpoint_hash: str, episodes: Se
     task_of: dict[str, str] = {}
     source: dict[str, str] = {}
     skipped = []
-    for k, ref in enumerate(episodes, start=1):
-        episode = ref.load(call_period, state_dim=policy.state_dim)
-        if episode.success is False and cfg.skip_failed:
-            log(f"[{k}/{len(episodes)}] {ref.source}: outcome 'failure', skipped")
-            skipped.append(ref.source)
-            continue
-        eid = _episode_id(ref.label, recorded)
-        log(f"[{k}/{len(episodes)}] {ref.source}: task {episode.task!r}, {len(episode.frames)} calls")
-        recorded[eid] = recorder.record(episode, log)
-        task_of[eid] = episode.task
-        source[eid] = ref.source
+    with progress("recording references", len(episodes), "episode") as bar:
+        for ref in episodes:
+            episode = ref.load(call_period, state_dim=policy.state_dim)
+            bar.set_postfix_str(f"{ref.label}: {len(episode.frames)} calls", refresh=False)
+            if episode.success is False and cfg.skip_failed:
+                skipped.append(ref.source)
+            else:
+                eid = _episode_id(ref.label, recorded)
+                recorded[eid] = recorder.record(episode)
+                task_of[eid] = episode.task
+                source[eid] = ref.source
+            bar.update()
+    if skipped:
+        log(f"{len(skipped)} episode(s) with outcome 'failure' skipped: {', '.join(skipped)}")
     if not recorded:
         raise ValueError("no successful episode to build a repository from")
 
@@ -317,27 +324,19 @@ def build_repository_from(policy: Pi05Policy, checkpoint_hash: str, episodes: Se
             log("profiling skipped: every task needs at least one reference episode besides the held-out ones")
         else:
             refs = {e: v for e, v in recorded.items() if e not in held}
-            log(f"profiling rho_p/rho_n on {len(held)} held-out episode(s) against {len(refs)} ...")
             points, matched = profile_ratios(model, refs, {e: recorded[e] for e in held}, task_of, grid,
-                                             cfg.groups, retrieval, log)
+                                             cfg.groups, retrieval, progress)
             summary.profile = [asdict(p) for p in points]
             best = choose_ratios(points, tolerance)
             if best is not None:
                 summary.rho_p = best.rho_p
                 if adopt_profiled:
                     summary.rho_n = best.rho_n
-            log("rho_p  rho_n  hits  mean_dev  worst_dev  flops  speedup (prefill, denoise)")
-            for p in points:
-                log(f"{p.rho_p:5.2f}  {p.rho_n:5.2f}  {p.hits:4d}  {p.mean_deviation:8.4f}  {p.worst_deviation:9.4f}  "
-                    f"{p.flops_fraction:5.2f}  {p.median_speedup:7.2f} ({p.median_prefill_speedup:.2f}, "
-                    f"{p.median_denoise_speedup:.2f})")
             if matched:
                 rho_p = summary.rho_p if summary.rho_p is not None else CacheConfig.rho_p
-                log(f"timing each half against dense at rho_p {rho_p:g}, rho_n {summary.rho_n:g} "
-                    f"({len(matched)} call(s) x {half_repeats}) ...")
-                timing = time_profiled_halves(model, matched, rho_p, summary.rho_n, cfg.groups, half_repeats, log)
+                timing = time_profiled_halves(model, matched, rho_p, summary.rho_n, cfg.groups, half_repeats,
+                                              progress)
                 summary.half_timing = timing.as_dict()
-                log(f"halves: {timing.describe()}")
             else:
                 log("halves not timed: retrieval matched no held-out call")
     meta = RepositoryMeta(checkpoint_hash=checkpoint_hash, model=model_summary(model.cfg),
@@ -349,9 +348,6 @@ def build_repository_from(policy: Pi05Policy, checkpoint_hash: str, episodes: Se
         repo.add_episode(eid, task_of[eid], with_masks(calls, cfg.groups, summary.rho_n), source=source[eid])
     summary.bytes_per_call = repo.nbytes_per_call()
     summary.seconds = time.perf_counter() - t0
-    log(f"repository {out}: {summary.episodes} episodes, {summary.calls} calls, "
-        f"{summary.bytes_per_call.get('total', 0) / 1e6:.2f} MB per call, rho_n={summary.rho_n}"
-        + (f", profile suggests rho_p={summary.rho_p}" if summary.rho_p is not None else ""))
     return summary
 
 
@@ -369,7 +365,7 @@ def admit_reference(policy: Pi05Policy, repo: ReferenceRepository, ref: EpisodeR
     episode = ref.load(call_period, state_dim=policy.state_dim)
     if episode.success is False:
         raise ValueError(f"{ref.source}: outcome 'failure'; only successful episodes are admitted")
-    recorded = EpisodeRecorder(policy, cfg).record(episode, log)
+    recorded = EpisodeRecorder(policy, cfg).record(episode)
     eid = _episode_id(ref.label, {e.episode_id: None for e in repo.episodes()})
     evicted = repo.admit(eid, episode.task, [r.call for r in recorded], max_episodes_per_task, max_bytes,
                          source=ref.source)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -20,14 +20,12 @@ from torch import Tensor
 from ..engine.cached import CacheConfig, CachedEngine, same_camera_layout
 from ..engine.dense import DenseEngine, ModelInputs
 from ..models.pi05 import Pi05Model
+from ..progress import Progress, silent
 from .entry import PreparedEntry, reconstruct_entry
 from .halves import HALVES, PHASE_OF, HalfTiming, PhaseTiming
 from .manager import stored_images_to_model
 from .masks import Groups
 from .repository import ReferenceRepository
-
-Log = Callable[[str], None]
-
 
 @dataclass(frozen=True)
 class TimingCase:
@@ -40,7 +38,7 @@ class TimingCase:
 
 @torch.no_grad()
 def time_halves(model: Pi05Model, cases: Sequence[TimingCase], rho_p: float, rho_n: float, groups: Groups,
-                repeats: int = 3, warmup: int = 1, log: Log = lambda m: None) -> HalfTiming:
+                repeats: int = 3, warmup: int = 1, progress: Progress = silent) -> HalfTiming:
     """Median prefill and denoise seconds, dense and cached, over ``cases`` x ``repeats``.
 
     The cached engine runs both halves at once: they touch different phases (the Context Cache the
@@ -70,14 +68,15 @@ def time_halves(model: Pi05Model, cases: Sequence[TimingCase], rho_p: float, rho
         run(dense, cases[0])
         run(cached, cases[0])
     samples: dict[str, dict[str, list[float]]] = {m: {PHASE_OF[h]: [] for h in HALVES} for m in ("dense", "cached")}
-    for r in range(repeats):
-        order = (("dense", dense), ("cached", cached)) if r % 2 == 0 else (("cached", cached), ("dense", dense))
-        for case in cases:
-            for mode, engine in order:
-                seconds = run(engine, case)
-                for phase in samples[mode]:
-                    samples[mode][phase].append(seconds[phase])
-        log(f"  timed the halves: repeat {r + 1}/{repeats} over {len(cases)} call(s)")
+    with progress(f"timing the halves ({len(cases)} calls x {repeats})", repeats, "repeat") as bar:
+        for r in range(repeats):
+            order = (("dense", dense), ("cached", cached)) if r % 2 == 0 else (("cached", cached), ("dense", dense))
+            for case in cases:
+                for mode, engine in order:
+                    seconds = run(engine, case)
+                    for phase in samples[mode]:
+                        samples[mode][phase].append(seconds[phase])
+            bar.update()
     p = next(model.parameters())
     phases = {h: PhaseTiming(statistics.median(samples["dense"][PHASE_OF[h]]),
                              statistics.median(samples["cached"][PHASE_OF[h]]), len(cases) * repeats)
@@ -122,11 +121,11 @@ def cases_from_repository(model: Pi05Model, repo: ReferenceRepository, calls_per
 
 
 def time_repository_halves(model: Pi05Model, repo: ReferenceRepository, rho_p: float, repeats: int = 3,
-                           record: bool = False, log: Log = lambda m: None) -> HalfTiming:
+                           record: bool = False, progress: Progress = silent) -> HalfTiming:
     """``time_halves`` on the repository's own calls at its rho_n; ``record`` writes it in."""
     cases = cases_from_repository(model, repo)
     timing = time_halves(model, cases, rho_p, repo.meta.rho_n, tuple(tuple(g) for g in repo.meta.mask_groups),
-                         repeats=repeats, log=log)
+                         repeats=repeats, progress=progress)
     if record:
         repo.record_half_timing(timing)
     return timing

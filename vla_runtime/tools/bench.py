@@ -23,6 +23,7 @@ from ..engine.dense import DenseEngine, ModelInputs
 from ..models.checkpoint import load_checkpoint
 from ..models.config import Pi05Config, preset
 from ..models.pi05 import Pi05Model, init_random_
+from ..progress import Progress, silent
 from .flops import denoise_flops, prefill_flops, vision_flops
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -106,7 +107,7 @@ def synthetic_inputs(cfg: Pi05Config, cameras: int, prompt_tokens: int, seed: in
                        image_mask=torch.ones(1, cameras, dtype=torch.bool), tokens=tokens, token_mask=mask)
 
 
-def run_bench(spec: BenchSpec, log=print) -> dict:
+def run_bench(spec: BenchSpec, log=print, progress: Progress = silent) -> dict:
     spec.validate()
     if spec.threads:
         torch.set_num_threads(spec.threads)
@@ -119,12 +120,13 @@ def run_bench(spec: BenchSpec, log=print) -> dict:
     inputs = synthetic_inputs(cfg, spec.cameras, spec.prompt_tokens, spec.seed)
     noise = engine.make_noise(1, torch.Generator().manual_seed(spec.seed))
     runs: list[dict[str, float]] = []
-    for i in range(spec.warmup + spec.repeats):
-        out = engine.infer(inputs, noise=noise)
-        if i >= spec.warmup:
-            runs.append(out.times.as_dict())
-        log(f"call {i + 1}/{spec.warmup + spec.repeats}: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in out.times.as_dict().items())
-            + (" (warm-up)" if i < spec.warmup else ""))
+    with progress(f"calls ({spec.warmup} warm-up, {spec.repeats} timed)", spec.warmup + spec.repeats, "call") as bar:
+        for i in range(spec.warmup + spec.repeats):
+            out = engine.infer(inputs, noise=noise)
+            if i >= spec.warmup:
+                runs.append(out.times.as_dict())
+            bar.set_postfix_str(f"last {out.times.total * 1e3:.0f} ms", refresh=False)
+            bar.update()
     if not bool(torch.isfinite(out.actions).all()):
         raise RuntimeError("the engine produced non-finite actions")
     median = {k: statistics.median(r[k] for r in runs) for k in runs[0]}

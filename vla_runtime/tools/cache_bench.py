@@ -25,6 +25,7 @@ from ..engine.dense import EngineOutput
 from ..engine.policy import Observation, Pi05Policy
 from ..io.bags import BagTopics, list_episode_bags
 from ..io.episode_sources import bag_refs
+from ..progress import Progress, silent
 
 PHASES = ("vision", "retrieve", "prefill", "denoise", "total")
 
@@ -100,7 +101,7 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def run_cache_bench(spec: CacheBenchSpec, log=print) -> dict:
+def run_cache_bench(spec: CacheBenchSpec, log=print, progress: Progress = silent) -> dict:
     if spec.threads:
         torch.set_num_threads(spec.threads)
     load_before = os.getloadavg()
@@ -125,7 +126,9 @@ def run_cache_bench(spec: CacheBenchSpec, log=print) -> dict:
         initial_s.append(time.perf_counter() - t0)
         log(f"[{k}/{len(refs)}] {ref.label}: {len(episode.frames)} calls, initial window "
             f"{len(manager.entries)} entries in {initial_s[-1]:.1f} s")
+        bar = progress(f"{ref.label} dense and cached", len(episode.frames), "call")
         for i, frame in enumerate(episode.frames):
+            bar.update()
             noise = policy.engine.make_noise(1, torch.Generator().manual_seed(spec.seed + 1000 * k + i))
             obs = Observation(frame.images, frame.state, frame.instruction or episode.task)
             r = side_by_side(policy, cached, manager, obs, noise, spec.time_available_s)
@@ -145,9 +148,8 @@ def run_cache_bench(spec: CacheBenchSpec, log=print) -> dict:
             else:
                 reasons[r.reason] = reasons.get(r.reason, 0) + 1
             prep_s.append(r.prepare.seconds)
-            log(f"  call {i + 1}: dense {d.times.total * 1e3:.0f} ms, cached {c.times.total * 1e3:.0f} ms"
-                + (f", reference {c.reference.key}" if r.hit else ", dense (no reference)")
-                + f"; window +{r.prepare.added}/-{r.prepare.dropped} in {r.prepare.seconds:.2f} s")
+            bar.set_postfix_str(f"cached {hits}/{calls}", refresh=False)
+        bar.close()
 
     def med(t: dict[str, list[float]]) -> dict[str, float]:
         return {p: _median(v) for p, v in t.items()}

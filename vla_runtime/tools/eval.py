@@ -27,6 +27,7 @@ import dataclasses
 import json
 import os
 import statistics
+import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +47,8 @@ from ..io.episode_sources import bag_refs
 from ..nodes.pipeline import PipelineSpec, make_pipeline
 from ..nodes.profile import CacheSpec, EngineSpec
 from ..nodes.stages import RingNames
+from ..progress import Progress, silent
+from .summaries import build as build_summary
 from ..sim.metaworld_env import ACTION_DIM, DEFAULT_CAMERAS, DEFAULT_TASKS, MetaWorldConfig, MetaWorldTask
 
 CALL_PERIOD_S = 0.5    # bag time between the recorded calls of a reference episode (a synthetic clock)
@@ -201,20 +204,24 @@ def _pipeline(spec: EvalSpec, mode: str, repository: Path | None, tag: str, rho_
     return make_pipeline(pspec, spec.processes)
 
 
-def record_references(spec: EvalSpec, log: Callable[[str], None]) -> tuple[list[Path], dict[str, int]]:
+def record_references(spec: EvalSpec, log: Callable[[str], None],
+                      progress: Progress = silent) -> tuple[list[Path], dict[str, int]]:
     """Dense episodes on the reference seeds; the successful ones are written as bags."""
     out = spec.out / "references"
     bags: list[Path] = []
     counts: dict[str, int] = {}
     topics = reference_topics(spec)
-    with _pipeline(spec, "dense", None, f"evref{os.getpid()}") as pipeline:
+    with _pipeline(spec, "dense", None, f"evref{os.getpid()}") as pipeline, \
+            progress("reference episodes (dense)", len(spec.tasks) * spec.reference_episodes, "episode") as bar:
         for task in spec.tasks:
             env = task_harness(spec, task, spec.reference_band)
             try:
                 for i in range(spec.reference_episodes):
                     seed = spec.reference_seed + i
                     r = run_episode(env, pipeline, seed, spec.n_execute, record=True)
-                    log(f"reference {task} seed {seed}: {'success' if r.success else 'failure'} in {r.steps} steps")
+                    bar.set_postfix_str(f"{task} seed {seed} {'success' if r.success else 'failure'}; "
+                                        f"{len(bags) + r.success} recorded", refresh=False)
+                    bar.update()
                     if not r.success:
                         continue
                     path = out / f"{task}-{seed}"
@@ -227,6 +234,8 @@ def record_references(spec: EvalSpec, log: Callable[[str], None]) -> tuple[list[
                     counts[task] = counts.get(task, 0) + 1
             finally:
                 env.close()
+    log(f"references: {len(bags)} successful dense episode(s) of {len(spec.tasks) * spec.reference_episodes} "
+        f"recorded under {out}")
     return bags, counts
 
 
@@ -262,7 +271,8 @@ def dataset_references(spec: EvalSpec, policy: Pi05Policy, log: Callable[[str], 
     return refs, 1.0 / reader.fps, counts
 
 
-def build_reference_repository(spec: EvalSpec, log: Callable[[str], None]) -> tuple[Path, dict[str, Any]]:
+def build_reference_repository(spec: EvalSpec, log: Callable[[str], None],
+                               progress: Progress = silent) -> tuple[Path, dict[str, Any]]:
     """The repository of the cached mode and the ``rho_p`` to run it at.
 
     Built here, the ratios are profiled as ``build-cache --profile --adopt-profiled`` does (rMuscle
@@ -280,7 +290,7 @@ def build_reference_repository(spec: EvalSpec, log: Callable[[str], None]) -> tu
     if spec.reference_dataset is not None:
         refs, call_period, counts = dataset_references(spec, policy, log)
     else:
-        bags, counts = record_references(spec, log)
+        bags, counts = record_references(spec, log, progress=progress)
         if not bags:
             raise RuntimeError("the dense policy succeeded in no reference episode: nothing to build a repository from")
         refs, call_period = bag_refs(bags, reference_topics(spec)), CALL_PERIOD_S
@@ -289,7 +299,8 @@ def build_reference_repository(spec: EvalSpec, log: Callable[[str], None]) -> tu
     summary = build_repository_from(policy, policy.checkpoint_hash, refs, repo, call_period,
                                     BuildConfig(rho_n=DEFAULT_RHO_N if spec.rho_n is None else spec.rho_n),
                                     profile_held_out=profile, tolerance=spec.tolerance,
-                                    adopt_profiled=spec.rho_n is None, log=log)
+                                    adopt_profiled=spec.rho_n is None, log=log, progress=progress)
+    log(build_summary(summary.as_dict()))
     rho_p = spec.rho_p if spec.rho_p is not None else summary.rho_p if summary.rho_p is not None else DEFAULT_RHO_P
     source = ("given" if not profile else "profiled on the reference episodes" if summary.profile
               else "defaults: too few reference episodes per task to profile")
@@ -300,7 +311,7 @@ def build_reference_repository(spec: EvalSpec, log: Callable[[str], None]) -> tu
 
 
 def auto_choice(spec: EvalSpec, repository: Path, rho_p: float, built: bool,
-                log: Callable[[str], None]) -> dict[str, Any]:
+                log: Callable[[str], None], progress: Progress = silent) -> dict[str, Any]:
     """What ``cache.context_cache: auto`` / ``action_cache: auto`` would run on this machine with
     this repository (the cached mode itself forces the halves ``spec.caches`` names).
 
@@ -314,7 +325,7 @@ def auto_choice(spec: EvalSpec, repository: Path, rho_p: float, built: bool,
     if timing is None:
         log("the repository records no half timing: timing each half against dense on its calls ...")
         policy = Pi05Policy.from_checkpoint(spec.checkpoint, camera_names=list(spec.cameras))
-        timing = time_repository_halves(policy.engine.model, repo, rho_p, record=built, log=log)
+        timing = time_repository_halves(policy.engine.model, repo, rho_p, record=built, progress=progress)
         source = "timed by eval on the repository's calls" + (" (now recorded in it)" if built else "")
     halves = resolve_halves("auto", "auto", timing, rho_p)
     log(f"auto would run: {halves.reason}")
@@ -358,7 +369,13 @@ def aggregate(results: list[EpisodeResult], cached: bool) -> dict[str, Any]:
             "mean_episode_start_s": _mean([r.start_s for r in results])}
 
 
-def evaluate(spec: EvalSpec, log: Callable[[str], None] = print) -> dict[str, Any]:
+def evaluate(spec: EvalSpec, log: Callable[[str], None] = print, progress: Progress = silent) -> dict[str, Any]:
+    """Run the evaluation and write ``eval.json``, ``eval.md`` and ``eval.png`` into ``spec.out``.
+
+    ``log`` gets the few lines worth keeping (what the repository holds, what ``auto`` would
+    run); ``progress`` one bar per phase: the reference episodes, the repository build's
+    phases, and the evaluation episodes (its postfix: the latest episode, the successes so far).
+    """
     spec.out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     report: dict[str, Any] = {"checkpoint": str(spec.checkpoint), "tasks": list(spec.tasks),
@@ -372,9 +389,9 @@ def evaluate(spec: EvalSpec, log: Callable[[str], None] = print) -> dict[str, An
     if "cached" in spec.modes:
         # built and timed at the pipeline's thread count, so the halves' timing is the pipeline's
         with _torch_threads(spec.engine.threads):
-            repository, report["repository"] = build_reference_repository(spec, log)
+            repository, report["repository"] = build_reference_repository(spec, log, progress)
             report["auto"] = auto_choice(spec, repository, report["repository"]["rho_p"],
-                                         report["repository"]["built"], log)
+                                         report["repository"]["built"], log, progress)
         if spec.first_scene_floor:
             report["repository"]["first_call_floors"] = first_call_floors(ReferenceRepository.open(repository))
     per_episode: dict[str, list[EpisodeResult]] = {m: [] for m in spec.modes}
@@ -384,6 +401,8 @@ def evaluate(spec: EvalSpec, log: Callable[[str], None] = print) -> dict[str, An
         rho_p = report.get("repository", {}).get("rho_p", DEFAULT_RHO_P)
         pipelines = {m: stack.enter_context(_pipeline(spec, m, repository, f"ev{m}{os.getpid()}", rho_p))
                      for m in spec.modes}
+        bar = stack.enter_context(progress(f"evaluation ({', '.join(spec.modes)} in turn)",
+                                           len(spec.tasks) * spec.episodes * len(spec.modes), "episode"))
         for task in spec.tasks:
             env = task_harness(spec, task, spec.pose_band)
             try:
@@ -392,9 +411,11 @@ def evaluate(spec: EvalSpec, log: Callable[[str], None] = print) -> dict[str, An
                         r = run_episode(env, pipeline, spec.eval_seed + i, spec.n_execute)
                         per_episode[mode].append(r)
                         done = [x for x in per_episode[mode] if x.task == task]
-                        log(f"{mode} {task} {len(done)}/{spec.episodes}: {'success' if r.success else 'failure'}, "
-                            f"{r.calls} calls ({r.cached_calls} cached), success so far "
-                            f"{sum(x.success for x in done)}/{len(done)}")
+                        bar.set_postfix_str(
+                            f"{mode} {task} {len(done)}/{spec.episodes} {'success' if r.success else 'failure'}; "
+                            "successes " + ", ".join(f"{m} {sum(x.success for x in rs)}/{len(rs)}"
+                                                     for m, rs in per_episode.items()), refresh=False)
+                        bar.update()
             finally:
                 env.close()
     for mode, results in per_episode.items():
@@ -512,9 +533,9 @@ def _fmt(x: float | None, pattern: str = "{:.2f}") -> str:
     return "-" if x is None else pattern.format(x)
 
 
-def table(report: dict[str, Any]) -> str:
+def success_table(report: dict[str, Any]) -> str:
+    """Success, calls per success, call time (and the cached mode's fallback) per task and overall."""
     modes = report["modes"]
-    repo = report.get("repository", {})
 
     def columns(m: str) -> list[str]:
         return [f"{m} success", f"{m} calls/success", f"{m} ms/call"] + (["fallback"] if m == "cached" else [])
@@ -530,7 +551,91 @@ def table(report: dict[str, Any]) -> str:
             if m == "cached":
                 cells.append(_fmt(a["fallback_rate"], "{:.0%}"))
         rows.append(f"| {task} | " + " | ".join(cells) + " |")
-    text = "\n".join(rows) + "\n"
+    return "\n".join(rows) + "\n"
+
+
+def _ms(x: float | None) -> str:
+    return _fmt(None if x is None else 1e3 * x, "{:.1f} ms")
+
+
+def reading(report: dict[str, Any]) -> str:
+    """One paragraph that reads the success table for the user, every figure taken from the report.
+
+    What the paired interval allows one to conclude at this number of seeds; the call time;
+    and why the cache gains what it gains here: the time of the two phases it shortens
+    (prefill, denoise) against what it saved there and what selecting a reference adds to
+    each call, with the profile's FLOP count of a cached call when the repository was profiled.
+    """
+    modes = report["modes"]
+    d = modes["dense"]["overall"] if "dense" in modes else None
+    c = modes["cached"]["overall"] if "cached" in modes else None
+    per_task = report["episodes_per_task"]
+    if d is None or c is None or "comparison" not in report:
+        m = next(iter(modes))
+        a = modes[m]["overall"]
+        return (f"The {m} policy succeeded on {a['successes']} of {a['episodes']} episodes ({per_task} per task) "
+                f"at {_ms(a['mean_call_s'])} per policy call.")
+    comp = report["comparison"]
+    pr = comp["paired"]["overall"]
+    parts = [f"On the same {pr['pairs']} seeds ({per_task} per task) dense solved {d['successes']} and cached "
+             f"{c['successes']}; {pr['dense_only'] + pr['other_only']} seed(s) ended differently "
+             f"({pr['dense_only']} solved only dense, {pr['other_only']} only cached)."]
+    ci = pr["interval95_points"]
+    if ci is not None and ci[0] <= 0 <= ci[1]:
+        half = (ci[1] - ci[0]) / 2
+        parts.append(f"The difference, {pr['difference_points']:+.0f} points (95 % interval {ci[0]:+.0f} to "
+                     f"{ci[1]:+.0f}), is within chance: "
+                     + (f"at {pr['pairs']} seeds only an effect of about {half:.0f} points or more would show "
+                        "(more episodes narrow the interval)." if half > 0 else
+                        "every seed ended alike in both modes, which says little at this number of seeds."))
+    elif ci is not None:
+        parts.append(f"The difference, {pr['difference_points']:+.0f} points with a 95 % interval of {ci[0]:+.0f} "
+                     f"to {ci[1]:+.0f}, is larger than chance at these {pr['pairs']} seeds.")
+    parts.append(f"A cached call took {_ms(c['mean_call_s'])} against {_ms(d['mean_call_s'])} dense "
+                 f"({_fmt(comp['speedup_per_call'])}x), {_fmt(c['fallback_rate'], '{:.0%}')} of its calls ran dense "
+                 "(fallback).")
+    dp, cp = d["mean_phase_s"], c["mean_phase_s"]
+    if all(p in dp and p in cp for p in ("prefill", "denoise")) and d["mean_call_s"]:
+        shortened = dp["prefill"] + dp["denoise"]
+        saved = shortened - cp["prefill"] - cp["denoise"]
+        select = cp.get("select", 0.0)
+        text = (f"The cache shortens only the prefill and the denoising, {_ms(shortened)} of a dense call "
+                f"({shortened / d['mean_call_s']:.0%}); it {'saved' if saved >= 0 else 'added'} "
+                f"{_ms(abs(saved))} there, and choosing the reference adds {_ms(select)} to every call")
+        repo = report.get("repository", {})
+        point = next((p for p in repo.get("profile") or [] if (p["rho_p"], p["rho_n"]) ==
+                      (repo.get("rho_p"), repo.get("rho_n"))), None)
+        if point is not None and point["hits"]:
+            ideal = 1 / point["flops_fraction"]
+            text += (f"; by the profile's FLOP count a cached call at rho_p {point['rho_p']:g}, rho_n "
+                     f"{point['rho_n']:g} needs {point['flops_fraction']:.0%} of a dense call's work ({ideal:.2f}x "
+                     f"at best) and measured {point['median_speedup']:.2f}x when profiled"
+                     + (": at this size gathering the rows and neurons to skip costs much of what skipping them "
+                        "saves" if point["median_speedup"] < ideal else ""))
+        net = saved - select
+        text += (f". Net, the cache {'saves' if net > 0 else 'costs'} {_ms(abs(net))} per call here; it saves "
+                 "feed-forward work, which grows with the model's width (full-width figures: docs/cache.md).")
+        parts.append(text)
+    if (auto := report.get("auto")) is not None:
+        on = [h.replace("_", " ") for h in ("context_cache", "action_cache") if auto[h]]
+        parts.append(f"With the profile's `auto`, this machine would run {' and '.join(on) if on else 'neither half'} "
+                     "(each half timed against dense on the repository's calls).")
+    return " ".join(parts)
+
+
+def summary(report: dict[str, Any], out: Path) -> str:
+    """What ``vla-runtime eval`` prints: the table, the paragraph reading it, where the files are."""
+    return (success_table(report) + "\n" + textwrap.fill(reading(report), 100) + "\n\n"
+            f"details (ratios, fallback rule, seed by seed): {out / 'eval.md'}\n"
+            f"every episode and aggregate (JSON): {out / 'eval.json'}\n"
+            f"plot (success per task, latency per phase): {out / 'eval.png'}\n")
+
+
+def table(report: dict[str, Any]) -> str:
+    """``eval.md``: the success table, its reading, then the comparison's details."""
+    modes = report["modes"]
+    repo = report.get("repository", {})
+    text = success_table(report) + "\n" + reading(report) + "\n"
     if "comparison" in report:
         c = report["comparison"]
         phases = ", ".join(f"{k} {_fmt(v)}x" for k, v in sorted(c["speedup_per_phase"].items()))
@@ -551,11 +656,6 @@ def table(report: dict[str, Any]) -> str:
             text += (f"\nthe cached mode forces the halves it runs ({', '.join(report.get('caches', []))}); with "
                      f"`auto` on this machine the runtime would run: {_auto_line(auto)} "
                      f"(timing {auto['timing_source']})\n")
-        text += ("\nwhy the cache gains little at a small policy's size: it saves FFN work (the VLM FFNs of the "
-                 "visual tokens it reuses, the expert FFN neurons outside the reference's masks), and in a policy "
-                 "of a few million parameters the FFNs are a small share of a call while selection, drift and "
-                 "gathers cost about what they save; the speed-up grows with the width (full-width figures: "
-                 "`bench/pipeline_cache.py` on `pi05-d2` and `pi05`, and `test/gpu/run_gpu_checks.sh` on a GPU)\n")
         rule = fallback_rule(report.get("min_similarity", 0.8), repo.get("first_call_floors"),
                              report.get("max_end_matches", 0))
         text += f"\nfallback to dense for the rest of an episode: {rule}\n"

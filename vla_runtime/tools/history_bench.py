@@ -18,10 +18,11 @@ from ..engine.history import HistoryConfig, HistoryEngine, full_window_actions
 from ..engine.dense import ModelInputs
 from ..models.config import preset
 from ..models.pi05 import Pi05Model, init_random_
+from ..progress import Progress, silent
 
 
 def run_history_bench(preset_name: str = "pi05-small", frames: int = 10, calls: int = 5, prompt_tokens: int = 64,
-                      threads: int | None = None, seed: int = 0, log=print) -> dict:
+                      threads: int | None = None, seed: int = 0, log=print, progress: Progress = silent) -> dict:
     if threads:
         torch.set_num_threads(threads)
     load_before = os.getloadavg()
@@ -36,8 +37,9 @@ def run_history_bench(preset_name: str = "pi05-small", frames: int = 10, calls: 
     noise = torch.randn(1, cfg.chunk_size, cfg.action_dim, generator=g)
     frames_seen = []
     inc, full, devs = [], [], []
-    log(f"filling the window with {frames} frames ...")
+    bar = progress(f"{frames} frames to fill the window, then {calls} timed", frames + calls, "call")
     for i in range(frames + calls):
+        bar.update()
         f = torch.rand(1, 1, 3, s, s, generator=g) * 2 - 1
         frames_seen.append(f)
         t0 = time.perf_counter()
@@ -51,7 +53,8 @@ def run_history_bench(preset_name: str = "pi05-small", frames: int = 10, calls: 
         inc.append(t_inc)
         full.append(t_full)
         devs.append(float((out.actions - ref).abs().max()))
-        log(f"call {i - frames + 1}/{calls}: incremental {t_inc * 1e3:.0f} ms, full recompute {t_full * 1e3:.0f} ms")
+        bar.set_postfix_str(f"incremental {t_inc * 1e3:.0f} ms, full recompute {t_full * 1e3:.0f} ms", refresh=False)
+    bar.close()
     return {"preset": preset_name, "frames": frames, "calls": calls, "prompt_tokens": prompt_tokens,
             "median_s": {"incremental": statistics.median(inc), "full_recompute": statistics.median(full)},
             "speedup": statistics.median(full) / statistics.median(inc),
