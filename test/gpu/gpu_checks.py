@@ -438,7 +438,7 @@ def _speedup(dense: dict, other: dict) -> dict:
 def latency_for_cameras(model, dense, cached, cams: int, plan: Plan, kernel_ok: bool) -> dict:
     from vla_runtime.engine.cached import CacheConfig
     from vla_runtime.tools.bench import synthetic_inputs
-    from vla_runtime.tools.flops import denoise_flops, prefill_flops, vision_flops
+    from vla_runtime.models.flops import denoise_flops, prefill_flops, vision_flops
 
     cfg = model.cfg
     ref = synthetic_inputs(cfg, cams, 64, seed=100 + cams)

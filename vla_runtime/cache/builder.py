@@ -27,7 +27,7 @@ from ..io.episode_sources import EpisodeRef, bag_refs
 from ..models.config import Pi05Config
 from ..models.gemma import DenoiseFFN
 from ..models.pi05 import Pi05Model
-from ..tools.flops import cached_flops, dense_flops
+from ..models.flops import cached_flops, dense_flops
 from .entry import PreparedEntry, reconstruct_entry
 from .half_profile import TimingCase, time_halves
 from .halves import HalfTiming

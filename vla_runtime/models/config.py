@@ -8,7 +8,7 @@ that what passes on them exercises the same code paths as the real model.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 
@@ -189,3 +189,14 @@ def preset(name: str) -> Pi05Config:
         return PRESETS[name]()
     except KeyError:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}") from None
+
+
+def config_to_dict(cfg: Pi05Config) -> dict:
+    """The architecture as plain JSON-able data (stored in ``config.json``, keys shared weight files)."""
+    return asdict(cfg)
+
+
+def config_from_dict(d: dict) -> Pi05Config:
+    d = dict(d)
+    return Pi05Config(vision=SiglipConfig(**d.pop("vision")), vlm=GemmaConfig(**d.pop("vlm")),
+                      expert=GemmaConfig(**d.pop("expert")), **d).validate()
