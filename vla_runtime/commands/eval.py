@@ -233,7 +233,7 @@ def record_references(spec: EvalSpec, log: Callable[[str], None]) -> tuple[list[
 def reference_topics(spec: EvalSpec) -> BagTopics:
     """The topics of the demonstration bags (``metaworld_demos.bag_topics``): references and
     demonstrations are the same kind of recording."""
-    from .metaworld_demos import bag_topics
+    from ..training.metaworld_demos import bag_topics
 
     return bag_topics(spec.cameras)
 

@@ -10,7 +10,7 @@ import pytest
 
 from vla_runtime.cli import main
 from vla_runtime.models.config import preset
-from vla_runtime.tools.bench import BenchSpec, run_bench
+from vla_runtime.commands.bench import BenchSpec, run_bench
 
 
 def test_bench_reports_phases_memory_and_efficiency():

@@ -26,7 +26,7 @@ in ``<out>/lerobot`` (:func:`export_lerobot`): one dataset frame per recorded po
 command the expert issued at that frame's step, so LeRobot tooling and ``build-cache --dataset``
 read the same demonstrations.
 
-Run: ``python -m vla_runtime.tools.metaworld_demos --out /tmp/mw/demos --episodes 40``;
+Run: ``python -m vla_runtime.training.metaworld_demos --out /tmp/mw/demos --episodes 40``;
 DAgger: ``... --out /tmp/mw/demos/dagger1 --policy /tmp/mw/checkpoint --episodes 30 --seed-base 20000``.
 """
 
@@ -101,7 +101,7 @@ def record_episode(env: MetaWorldTask, seed: int, call_every: int, tail_steps: i
                    driver: Driver | None = None, beta: float = 0.0) -> Rollout:
     """One episode from ``seed``'s pose, frames every ``call_every`` steps, Meta-World's scripted
     expert's action (clipped to the action box) recorded at every step; with ``driver`` (DAgger)
-    the policy acts except on calls the expert takes over (``tools.recording.record_rollout``)."""
+    the policy acts except on calls the expert takes over (``training.recording.record_rollout``)."""
     def expert() -> Callable[[], np.ndarray]:
         policy = scripted_expert(env.cfg.task)
         return lambda: np.clip(np.asarray(policy.get_action(env.full_observation), np.float64), -1.0, 1.0)

@@ -8,7 +8,7 @@ on the robot (``n_execute`` ticks at the profile's 50 Hz): the next chunk must b
 the current one runs out, or the robot waits.
 
 With ``--checkpoint`` it runs that policy (``checkpoints/pi05-aloha-transfer-cube`` is trained
-here on ``tools/aloha_demos``' scripted demonstrations). Without one it writes a pi0.5 checkpoint
+here on ``training/aloha_demos``' scripted demonstrations). Without one it writes a pi0.5 checkpoint
 with *random weights* of the chosen preset in the public layout, with normalisation statistics
 drawn around the simulator's home pose: plumbing and latency only, success is expected to be 0.
 
