@@ -19,11 +19,11 @@ from vla_runtime.engine.policy import Pi05Policy
 from vla_runtime.io.bags import write_episode_bag
 from vla_runtime.models.config import preset
 from vla_runtime.nodes.profile import EngineSpec
-from vla_runtime.sim.metaworld_env import DEFAULT_CAMERAS, TASK_INSTRUCTIONS, MetaWorldConfig, MetaWorldTask
+from vla_runtime.sim.metaworld_env import DEFAULT_CAMERAS, TASK_INSTRUCTIONS, MetaWorldConfig, MetaWorldTask, bag_topics
 from vla_runtime.commands.demo import write_random_checkpoint
 from vla_runtime.commands import eval as eval_tool
 from vla_runtime.commands.eval import EpisodeResult, EvalSpec, evaluate, paired, pool, table as eval_table
-from vla_runtime.training.metaworld_demos import ACTION_TOPIC, bag_topics, record_episode
+from vla_runtime.training.metaworld_demos import ACTION_TOPIC, record_episode
 
 TASK = "button-press-topdown-v3"
 

@@ -37,9 +37,8 @@ import numpy as np
 from ..engine.safety import SafetyFilter
 from ..io.bags import BagTopics, profile_topics, write_episode_bag
 from ..nodes.profile import RobotProfile, load_profile
-from ..sim.aloha_env import CONTROL_DT, DEFAULT_CAMERAS, AlohaSimConfig, AlohaTask
+from ..sim.aloha_env import CONTROL_DT, DEFAULT_CAMERAS, DEFAULT_PROFILE, AlohaSimConfig, AlohaTask, check_profile
 from ..sim.aloha_expert import TransferCubeExpert
-from ..commands.aloha_sim import DEFAULT_PROFILE, check_profile
 from .recording import (ACTION_TOPIC, MANIFEST, CommandFilter, Driver, Rollout, labels_kind, pipeline_driver,
                         record_rollout)
 

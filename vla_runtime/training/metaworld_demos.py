@@ -43,9 +43,9 @@ from typing import Callable
 
 import numpy as np
 
-from ..io.bags import BagTopics, write_episode_bag
+from ..io.bags import write_episode_bag
 from ..sim.metaworld_env import (ACTION_NAMES, CONTROL_DT, DEFAULT_CAMERAS, DEFAULT_TASKS, STATE_NAMES,
-                                 MetaWorldConfig, MetaWorldTask, scripted_expert)
+                                 MetaWorldConfig, MetaWorldTask, bag_topics, scripted_expert)
 from .recording import ACTION_TOPIC, MANIFEST, Driver, Rollout, labels_kind, pipeline_driver, record_rollout
 
 
@@ -89,12 +89,6 @@ class DemoConfig:
     def harness(self, task: str) -> MetaWorldConfig:
         return MetaWorldConfig(task=task, cameras=self.cameras, image_size=self.image_size,
                                max_steps=self.max_steps, pose_band=self.pose_band).validate()
-
-
-def bag_topics(cameras: tuple[str, ...]) -> BagTopics:
-    """Topic names of the Meta-World bags (a Sawyer with fixed cameras)."""
-    return BagTopics(cameras={c: f"/cameras/{c}/image_raw" for c in cameras}, joint_states="/joint_states",
-                     instruction="/instruction", outcome="/episode_outcome", joint_names=STATE_NAMES)
 
 
 def record_episode(env: MetaWorldTask, seed: int, call_every: int, tail_steps: int,
