@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 from vla_runtime.io.bags import list_episode_bags, profile_topics, read_episode  # noqa: E402
 from vla_runtime.nodes.pipeline import make_pipeline  # noqa: E402
 from vla_runtime.nodes.stages import RingNames  # noqa: E402
-from vla_runtime.tools.run import RunSpec, pipeline_spec  # noqa: E402
+from vla_runtime.commands.run import RunSpec, pipeline_spec  # noqa: E402
 
 
 def _memory(pipeline) -> dict[str, dict[str, float]]:

@@ -91,7 +91,7 @@ def prepare(args: argparse.Namespace) -> tuple[Path, str | None, list[tuple[dict
         from vla_runtime.cache.builder import BuildConfig, build_repository
         from vla_runtime.engine.policy import Pi05Policy
         from vla_runtime.io.bags import list_episode_bags, read_episode
-        from vla_runtime.tools.demo import DemoSpec, demo_topics, make_demo
+        from vla_runtime.commands.demo import DemoSpec, demo_topics, make_demo
 
         demo = work / "demo"
         if not (demo / "demo.json").exists():
@@ -107,7 +107,7 @@ def prepare(args: argparse.Namespace) -> tuple[Path, str | None, list[tuple[dict
         ep = read_episode(list_episode_bags(info["held_out"])[0], demo_topics(CAMERAS), call_period=0.5)
         frames = [(f.images, np.asarray(f.state), ep.task) for f in ep.frames]
         return Path(info["checkpoint"]), str(repo), frames, len(frames[0][1])
-    from vla_runtime.tools.demo import write_random_checkpoint
+    from vla_runtime.commands.demo import write_random_checkpoint
 
     cfg = preset(args.preset)
     state_dim = min(14, cfg.max_state_dim, cfg.action_dim)   # two 7-joint arms where the model takes them

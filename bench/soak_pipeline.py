@@ -7,7 +7,7 @@ Reports calls/s, NaN calls, RSS of every stage process and the rings' shared mem
 start (after the warm-up) and the end with samples in between, segments left after shutdown,
 and a crash check (all three stages SIGKILLed, restarted under the same names). Exit status 1
 when a chunk had NaN/Inf, shared memory leaked, or a process's RSS grew by more than 0.5 KB per
-call (least-squares over the samples). See ``vla_runtime/tools/pipeline_soak.py``.
+call (least-squares over the samples). See ``vla_runtime/commands/pipeline_soak.py``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vla_runtime.tools.pipeline_soak import run_pipeline_soak, summary  # noqa: E402
+from vla_runtime.commands.pipeline_soak import run_pipeline_soak, summary  # noqa: E402
 
 
 def main() -> int:

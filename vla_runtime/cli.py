@@ -46,10 +46,10 @@ def _add_dataset_args(p: argparse.ArgumentParser) -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .tools import summaries
+    from .commands import summaries
 
     if args.stream:
-        from .tools.stream_bench import StreamBenchSpec, run_stream_bench
+        from .commands.stream_bench import StreamBenchSpec, run_stream_bench
 
         modes = tuple(m.strip() for m in args.stitch.split(",") if m.strip())
         spec = StreamBenchSpec(preset=args.preset, checkpoint=args.checkpoint, latency_ms=args.latency_ms,
@@ -59,7 +59,7 @@ def _bench(args: argparse.Namespace) -> int:
         summaries.emit(run_stream_bench(spec, log=_log), args.out, summaries.stream)
         return 0
     if args.history:
-        from .tools.history_bench import run_history_bench
+        from .commands.history_bench import run_history_bench
 
         result = run_history_bench(args.preset, frames=args.history, calls=args.repeats,
                                    prompt_tokens=args.prompt_tokens, threads=args.threads, seed=args.seed, log=_log,
@@ -67,7 +67,7 @@ def _bench(args: argparse.Namespace) -> int:
         summaries.emit(result, args.out, summaries.history)
         return 0
     if args.cache:
-        from .tools.cache_bench import CacheBenchSpec, run_cache_bench
+        from .commands.cache_bench import CacheBenchSpec, run_cache_bench
 
         if args.dataset:
             if not args.checkpoint or args.bags or args.camera:
@@ -83,7 +83,7 @@ def _bench(args: argparse.Namespace) -> int:
                               time_available_s=args.time_available, threads=args.threads, seed=args.seed)
         summaries.emit(run_cache_bench(spec, log=_log, progress=bars), args.out, summaries.cache_bench)
         return 0
-    from .tools.bench import BenchSpec, run_bench
+    from .commands.bench import BenchSpec, run_bench
 
     spec = BenchSpec(**{f.name: getattr(args, f.name) for f in fields(BenchSpec)})
     summaries.emit(run_bench(spec, log=_log, progress=bars), args.out, summaries.bench)
@@ -91,8 +91,8 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _soak(args: argparse.Namespace) -> int:
-    from .tools.bench import write_json
-    from .tools.soak import run_soak
+    from .commands.bench import write_json
+    from .commands.soak import run_soak
 
     write_json(run_soak(args.preset, calls=args.calls, history=args.history, seed=args.seed, dtype=args.dtype,
                         log=_log), args.out)
@@ -157,7 +157,7 @@ def _build_cache(args: argparse.Namespace) -> int:
         for ref in refs:
             admit_reference(policy, repo, ref, args.call_period, args.max_episodes_per_task, log=print)
         return 0
-    from .tools import summaries
+    from .commands import summaries
 
     summary = build_repository_from(policy, policy.checkpoint_hash, refs, Path(args.out), args.call_period,
                                     BuildConfig(rho_n=args.rho_n, history_len=args.history), args.profile,
@@ -168,7 +168,7 @@ def _build_cache(args: argparse.Namespace) -> int:
 
 
 def _demo_data(args: argparse.Namespace) -> int:
-    from .tools.demo import DemoSpec, make_demo
+    from .commands.demo import DemoSpec, make_demo
 
     info = make_demo(args.out, DemoSpec(preset=args.preset, episodes=args.episodes, held_out=args.held_out,
                                         seed=args.seed), log=_log)
@@ -178,7 +178,7 @@ def _demo_data(args: argparse.Namespace) -> int:
 
 def _replay(args: argparse.Namespace) -> int:
     if args.dataset:
-        from .tools.open_loop import OpenLoopSpec, open_loop_main
+        from .commands.open_loop import OpenLoopSpec, open_loop_main
 
         if args.in_bag:
             raise ValueError("replay takes an input bag or --dataset, not both")
@@ -188,7 +188,7 @@ def _replay(args: argparse.Namespace) -> int:
                             storage=args.storage, overwrite=args.overwrite, golden=args.golden,
                             tolerance=args.tolerance)
         return open_loop_main(spec, log=_log)
-    from .tools.replay import ReplaySpec, replay_main
+    from .commands.replay import ReplaySpec, replay_main
 
     if not args.in_bag:
         raise ValueError("replay needs an input bag (or --dataset DIR)")
@@ -206,8 +206,8 @@ def _replay(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .tools.bench import write_json
-    from .tools.run import RunSpec, run_pipeline
+    from .commands.bench import write_json
+    from .commands.run import RunSpec, run_pipeline
 
     spec = RunSpec(episode=Path(args.episode), profile=Path(args.profile),
                    checkpoint=Path(args.checkpoint) if args.checkpoint else None, processes=args.processes,
@@ -220,7 +220,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     from .nodes.profile import EngineSpec
-    from .tools.eval import EvalSpec, evaluate
+    from .commands.eval import EvalSpec, evaluate
 
     band = lambda text: tuple(float(x) for x in text.split(","))  # noqa: E731
     spec = EvalSpec(checkpoint=args.checkpoint, out=args.out, tasks=tuple(args.task) if args.task else EvalSpec.tasks,
@@ -234,7 +234,7 @@ def _eval(args: argparse.Namespace) -> int:
                     min_similarity=args.min_similarity, first_scene_floor=args.first_scene_floor,
                     max_end_matches=args.max_end_matches,
                     engine=EngineSpec(threads=args.threads))
-    from .tools.eval import summary
+    from .commands.eval import summary
 
     print(summary(evaluate(spec, log=_log, progress=bars), spec.out))
     return 0
@@ -243,7 +243,7 @@ def _eval(args: argparse.Namespace) -> int:
 def _eval_pool(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .tools.eval import pool, pool_table
+    from .commands.eval import pool, pool_table
 
     pooled = pool([Path(r) for r in args.runs], [Path(r) for r in args.other] if args.other else None,
                   args.other_mode)
@@ -255,7 +255,7 @@ def _eval_pool(args: argparse.Namespace) -> int:
 
 def _aloha_sim(args: argparse.Namespace) -> int:
     from .nodes.profile import EngineSpec
-    from .tools.aloha_sim import AlohaRunSpec, run_aloha
+    from .commands.aloha_sim import AlohaRunSpec, run_aloha
 
     spec = AlohaRunSpec(out=args.out, profile=args.profile, checkpoint=args.checkpoint, preset=args.preset,
                         task=args.task, episodes=args.episodes, seed=args.seed, max_steps=args.max_steps,
@@ -267,7 +267,7 @@ def _aloha_sim(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from .tools.checkpoint_info import describe_checkpoint, format_text
+    from .commands.checkpoint_info import describe_checkpoint, format_text
 
     info = describe_checkpoint(args.checkpoint, compute_hash=args.hash, norm_asset=args.norm_asset)
     print(json.dumps(info, indent=2) if args.json else format_text(info))

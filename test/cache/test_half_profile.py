@@ -17,7 +17,7 @@ from vla_runtime.cache.repository import ReferenceRepository
 from vla_runtime.cli import main
 from vla_runtime.engine.policy import Pi05Policy
 from vla_runtime.io.bags import list_episode_bags
-from vla_runtime.tools.demo import DemoSpec, demo_topics, make_demo
+from vla_runtime.commands.demo import DemoSpec, demo_topics, make_demo
 
 CAMS = ("top", "wrist")
 

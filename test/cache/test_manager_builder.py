@@ -16,7 +16,7 @@ from vla_runtime.engine.cached import CacheConfig, CachedEngine
 from vla_runtime.engine.policy import Observation, Pi05Policy
 from vla_runtime.io.bags import list_episode_bags, read_episode
 from vla_runtime.sim.scenes import SceneConfig, make_episode
-from vla_runtime.tools.demo import DemoSpec, demo_topics, make_demo
+from vla_runtime.commands.demo import DemoSpec, demo_topics, make_demo
 
 CAMS = ("top", "wrist")
 

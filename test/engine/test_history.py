@@ -72,7 +72,7 @@ def test_history_config_is_validated(model):
 
 
 def test_history_bench_reports_exact_incremental_answers():
-    from vla_runtime.tools.history_bench import run_history_bench
+    from vla_runtime.commands.history_bench import run_history_bench
 
     r = run_history_bench("pi05-tiny", frames=3, calls=2, prompt_tokens=10, log=lambda m: None)
     assert r["max_abs_diff_vs_full"] < 1e-4
@@ -81,7 +81,7 @@ def test_history_bench_reports_exact_incremental_answers():
 
 def test_bf16_soak_short():
     """CI-sized soak (the benchmark runs 2,000 calls): no NaN/Inf, deviation bounded, no upward drift."""
-    from vla_runtime.tools.soak import run_soak
+    from vla_runtime.commands.soak import run_soak
 
     r = run_soak("pi05-tiny", calls=60, history=2, log=lambda m: None)
     assert r["nonfinite_calls"] == 0

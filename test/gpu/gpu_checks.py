@@ -397,7 +397,7 @@ def time_engine(engine, inputs, noise, plan: Plan, select=None) -> dict:
         out = engine.infer(inputs, noise=noise, select=select)
         if i >= plan.warmup:
             runs.append(out.times.as_dict())
-    from vla_runtime.tools.bench import peak_memory_mb
+    from vla_runtime.commands.bench import peak_memory_mb
 
     return {"median_ms": {k: 1e3 * statistics.median(r[k] for r in runs) for k in runs[0]},
             "peak_memory_mb": peak_memory_mb(device), "actions": out.actions.float().cpu(),
@@ -437,8 +437,8 @@ def _speedup(dense: dict, other: dict) -> dict:
 
 def latency_for_cameras(model, dense, cached, cams: int, plan: Plan, kernel_ok: bool) -> dict:
     from vla_runtime.engine.cached import CacheConfig
-    from vla_runtime.tools.bench import synthetic_inputs
-    from vla_runtime.tools.flops import denoise_flops, prefill_flops, vision_flops
+    from vla_runtime.commands.bench import synthetic_inputs
+    from vla_runtime.models.flops import denoise_flops, prefill_flops, vision_flops
 
     cfg = model.cfg
     ref = synthetic_inputs(cfg, cams, 64, seed=100 + cams)
@@ -479,7 +479,7 @@ def build_engines(plan: Plan, checkpoint: Path | None = None, ratios: tuple[floa
     captured CUDA graph must see the final ones."""
     from vla_runtime.engine.cached import CacheConfig, CachedEngine
     from vla_runtime.engine.dense import DenseEngine
-    from vla_runtime.tools.bench import BenchSpec, build_model
+    from vla_runtime.commands.bench import BenchSpec, build_model
 
     spec = BenchSpec(preset=plan.preset, dtype=plan.dtype, device=plan.device,
                      checkpoint=str(checkpoint) if checkpoint else None)

@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+import vla_runtime.models.checkpoint as checkpoint_module
 import vla_runtime.models.shared_weights as sw
 from vla_runtime.engine.policy import Observation, Pi05Policy
 from vla_runtime.models.checkpoint import content_hash, load_checkpoint, read_checkpoint_layout
@@ -134,7 +135,7 @@ def test_second_load_maps_the_existing_file(tiny_checkpoint_dir: Path, tmp_path:
     def no_private_load(*a, **k):
         raise AssertionError("the shared file was valid: no normal load expected")
 
-    monkeypatch.setattr(sw, "load_checkpoint", no_private_load)
+    monkeypatch.setattr(checkpoint_module, "load_checkpoint", no_private_load)  # the shared loader's build step
     second = Pi05Policy.from_checkpoint(tiny_checkpoint_dir, CAMS, share_weights=True, weights_cache_dir=tmp_path)
     after = os.stat(path)
     assert not second.shared_weights.built and second.shared_weights.path == path

@@ -17,11 +17,11 @@ import torch
 
 from vla_runtime.engine.policy import Observation, Pi05Policy
 from vla_runtime.testing.controllers import small_controller
+from vla_runtime.io.messages import InputError, JointStateAssembler, image_from_msg
 from vla_runtime.ipc.layout import FieldSpec, SlotLayout
 from vla_runtime.ipc.ring import LayoutMismatchError, RingBuffer, RingNotFoundError
 from vla_runtime.nodes import params as P
-from vla_runtime.nodes.conversions import (CameraFeed, InputError, JointStateAssembler, StampCheck, image_from_msg,
-                                           instruction_from_msg, stamp_ns, usable_images)
+from vla_runtime.nodes.conversions import CameraFeed, StampCheck, instruction_from_msg, stamp_ns, usable_images
 from vla_runtime.nodes.pipeline import LocalPipeline, PipelineSpec
 from vla_runtime.nodes.profile import CacheSpec, EngineSpec, ProfileError, profile_from_dict
 from vla_runtime.nodes.stages import (CacheStage, PolicyStage, PrefixRequestNote, RingNames, SlotNote, VisionStage,

@@ -284,11 +284,11 @@ def test_two_cameras_on_a_three_camera_model_through_build_cache_selection_and_p
     with 'size of tensor a (3) must match the size of tensor b (2)')."""
     import dataclasses
 
-    import vla_runtime.tools.demo as demo_mod
+    import vla_runtime.commands.demo as demo_mod
     from vla_runtime.cache.builder import BuildConfig, build_repository
     from vla_runtime.io.bags import read_episode
     from vla_runtime.models.config import preset
-    from vla_runtime.tools.demo import DemoSpec, demo_topics, make_demo
+    from vla_runtime.commands.demo import DemoSpec, demo_topics, make_demo
 
     three = dataclasses.replace(preset("pi05-tiny"), num_cameras=3)
     monkeypatch.setattr(demo_mod, "preset", lambda name: three)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from vla_runtime.tools.pipeline_soak import run_pipeline_soak, segments, summary
+from vla_runtime.commands.pipeline_soak import run_pipeline_soak, segments, summary
 
 
 def test_short_soak_of_the_three_process_pipeline(demo, tmp_path):

@@ -12,7 +12,7 @@ import yaml
 from vla_runtime.cache.builder import BuildConfig, build_repository
 from vla_runtime.engine.policy import Pi05Policy
 from vla_runtime.io.bags import list_episode_bags, read_episode
-from vla_runtime.tools.demo import DemoSpec, demo_topics, make_demo
+from vla_runtime.commands.demo import DemoSpec, demo_topics, make_demo
 
 ROOT = Path(__file__).resolve().parents[2]
 INSTALL = ROOT / "install"

@@ -193,7 +193,7 @@ def test_config_is_validated(bad, match):
 
 def test_real_tiny_engine_closes_the_loop(tmp_path: Path):
     from vla_runtime.engine.policy import Pi05Policy
-    from vla_runtime.tools.demo import DemoSpec, make_demo
+    from vla_runtime.commands.demo import DemoSpec, make_demo
 
     info = make_demo(tmp_path / "demo", DemoSpec(preset="pi05-tiny", episodes=2, held_out=1, steps_per_episode=20),
                      log=lambda _: None)

@@ -28,7 +28,7 @@ from ..models.config import Pi05Config
 from ..models.gemma import DenoiseFFN
 from ..models.pi05 import Pi05Model
 from ..progress import Progress, silent
-from ..tools.flops import cached_flops, dense_flops
+from ..models.flops import cached_flops, dense_flops
 from .entry import PreparedEntry, reconstruct_entry
 from .half_profile import TimingCase, time_halves
 from .halves import HalfTiming

@@ -23,19 +23,15 @@ import bisect
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Sequence
+from typing import Any, Literal, Mapping, Protocol, Sequence
 
 import cv2
 import numpy as np
 from rosbags.rosbag2 import Reader, ReaderError, StoragePlugin, Writer
 from rosbags.typesys import Stores, get_typestore
 
-if TYPE_CHECKING:  # imported at run time inside read_episode: conversions imports this module
-    from ..nodes.conversions import JointStateAssembler
-    from ..nodes.profile import RobotProfile
+from .messages import COMPRESSED_IMAGE_TYPE, IMAGE_TYPE, JointStateAssembler, image_from_msg
 
-IMAGE_TYPE = "sensor_msgs/msg/Image"
-COMPRESSED_IMAGE_TYPE = "sensor_msgs/msg/CompressedImage"
 JOINT_STATE_TYPE = "sensor_msgs/msg/JointState"
 STRING_TYPE = "std_msgs/msg/String"
 
@@ -49,7 +45,6 @@ DEFAULT_START_TIME_NS = 1_700_000_000 * 10**9
 _STORAGES: dict[str, StoragePlugin] = {"sqlite3": StoragePlugin.SQLITE3, "mcap": StoragePlugin.MCAP}
 _RAW_ENCODINGS = ("rgb8", "bgr8", "mono8")
 _COMPRESSED_FORMATS = ("jpeg", "png")
-_READABLE_RAW_ENCODINGS = {"rgb8": 3, "bgr8": 3, "rgba8": 4, "bgra8": 4, "mono8": 1}
 _OUTCOME_VALUES = {"success": True, "failure": False}
 
 ImageFormat = Literal["rgb8", "bgr8", "mono8", "jpeg", "png"]
@@ -73,7 +68,7 @@ class BagTopics:
     construction, a single string is accepted for the common case. ``joint_names`` is the
     model's joint order (a robot profile's ``joint_names``). With it, the state is assembled *by
     name* from every joint-state topic with the live policy node's
-    :class:`~vla_runtime.nodes.conversions.JointStateAssembler`, so a replayed or cached call
+    :class:`~vla_runtime.io.messages.JointStateAssembler`, so a replayed or cached call
     sees the vector the node would have built, whatever order or split the robot published
     in, and a bag is refused exactly where the node would refuse a message. Without it (tools
     that have no profile), the positions of the single joint-state topic are the state, in
@@ -124,7 +119,22 @@ class BagTopics:
         return topics
 
 
-def profile_topics(profile: "RobotProfile", outcome: str | None = None) -> BagTopics:
+class CameraTopic(Protocol):
+    name: str
+    topic: str
+
+
+class TopicProfile(Protocol):
+    """What :func:`profile_topics` reads off a robot profile (``nodes.profile.RobotProfile``).
+    Named here, not imported: ``io`` sits below the nodes and does not depend on them."""
+
+    cameras: Sequence[CameraTopic]
+    joint_states_topics: Sequence[str]
+    instruction_topic: str
+    joint_names: Sequence[str]
+
+
+def profile_topics(profile: TopicProfile, outcome: str | None = None) -> BagTopics:
     """Bag topics of a robot profile: its cameras in model order, all its joint-state topics with
     its joint names (so the state is assembled by name, as the policy node does), its instruction
     topic, and ``outcome`` (replay needs none; building a repository reads it when recorded)."""
@@ -477,55 +487,6 @@ def _image_message(typestore: Any, rgb: np.ndarray, header: Any, image_format: s
 # --------------------------------------------------------------------------------------------
 
 
-def _uint8_buffer(data: Any) -> np.ndarray:
-    """Message byte arrays arrive as numpy arrays (rosbags), ``array('B')`` or bytes (rclpy)."""
-    if isinstance(data, (bytes, bytearray, memoryview)):
-        return np.frombuffer(data, dtype=np.uint8)
-    return np.asarray(data, dtype=np.uint8)
-
-
-def decode_image_message(msg: Any, msgtype: str) -> np.ndarray:
-    """Decode an ``Image`` (rgb8/bgr8/rgba8/bgra8/mono8) or ``CompressedImage`` (anything OpenCV
-    decodes: JPEG, PNG, ...) message to uint8 RGB ``[H, W, 3]``.
-
-    Raw images honour ``step`` (rows may be padded). Grayscale is expanded to three channels,
-    since the policy's vision tower expects RGB.
-    """
-    if msgtype == COMPRESSED_IMAGE_TYPE:
-        buf = _uint8_buffer(msg.data)
-        if buf.size == 0:
-            raise ValueError(f"CompressedImage (format {msg.format!r}) has no data")
-        bgr = cv2.imdecode(buf, cv2.IMREAD_COLOR)
-        if bgr is None:
-            raise ValueError(f"could not decode CompressedImage with format {msg.format!r} "
-                             f"({buf.size} bytes, first bytes {bytes(buf[:8]).hex()})")
-        return cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
-    if msgtype != IMAGE_TYPE:
-        raise ValueError(f"not an image message type: {msgtype}")
-    enc = msg.encoding.lower()
-    if enc not in _READABLE_RAW_ENCODINGS:
-        raise ValueError(f"unsupported Image encoding {msg.encoding!r}; supported: "
-                         f"{sorted(_READABLE_RAW_ENCODINGS)}")
-    channels = _READABLE_RAW_ENCODINGS[enc]
-    h, w, step = int(msg.height), int(msg.width), int(msg.step)
-    data = _uint8_buffer(msg.data)
-    if h <= 0 or w <= 0:
-        raise ValueError(f"Image has invalid size {w}x{h}")
-    if step < w * channels or data.size < step * h:
-        raise ValueError(f"Image {w}x{h} {enc}: step {step} and {data.size} data bytes are inconsistent "
-                         f"(need step >= {w * channels} and {step * h} bytes)")
-    pixels = data[: step * h].reshape(h, step)[:, : w * channels].reshape(h, w, channels)
-    if enc == "rgb8":
-        return np.ascontiguousarray(pixels)
-    if enc == "bgr8":
-        return cv2.cvtColor(pixels, cv2.COLOR_BGR2RGB)
-    if enc == "rgba8":
-        return cv2.cvtColor(pixels, cv2.COLOR_RGBA2RGB)
-    if enc == "bgra8":
-        return cv2.cvtColor(pixels, cv2.COLOR_BGRA2RGB)
-    return cv2.cvtColor(pixels[:, :, 0], cv2.COLOR_GRAY2RGB)
-
-
 @dataclass
 class _Latest:
     """Newest message of one topic, decoded only when a call uses it."""
@@ -568,13 +529,8 @@ class _CallSampler:
     foreign_joints: set[str] = field(default_factory=set)
     data_topics: set[str] = field(init=False)  # cameras and joint states: the topics calls sample
     camera_of: dict[str, str] = field(init=False)
-    image_from_msg: Callable[..., np.ndarray] = field(init=False)
 
     def __post_init__(self) -> None:
-        # Imported here, not at module level: conversions imports this module (image decoding).
-        from ..nodes.conversions import image_from_msg
-
-        self.image_from_msg = image_from_msg
         self.data_topics = {*self.topics.cameras.values(), *self.topics.joint_states}
         self.camera_of = {topic: cam for cam, topic in self.topics.cameras.items()}
 
@@ -682,7 +638,7 @@ class _CallSampler:
             return state
         # The vision node's conversion, so replay refuses exactly the images the node would.
         try:
-            return self.image_from_msg(msg, entry.msgtype == COMPRESSED_IMAGE_TYPE, camera)
+            return image_from_msg(msg, entry.msgtype == COMPRESSED_IMAGE_TYPE, camera)
         except ValueError as exc:
             raise ValueError(f"image on {at} refused: {exc}") from exc
 
@@ -732,8 +688,6 @@ def read_episode(
         if state_dim is not None and state_dim != len(topics.joint_names):
             raise ValueError(f"state_dim {state_dim} does not match the {len(topics.joint_names)} joint names "
                              f"{list(topics.joint_names)}")
-        from ..nodes.conversions import JointStateAssembler  # not at module level: it imports this module
-
         assembler = JointStateAssembler(topics.joint_names)
 
     typestore = get_typestore(Stores.ROS2_JAZZY)

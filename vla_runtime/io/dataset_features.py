@@ -16,12 +16,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import Protocol, Sequence
 
 from .lerobot_dataset import DatasetError, LeRobotDatasetReader
-
-if TYPE_CHECKING:
-    from ..nodes.profile import RobotProfile
 
 STATE = "observation.state"
 ACTION = "action"
@@ -98,14 +95,34 @@ def checkpoint_features(checkpoint: str | Path) -> FeatureMap:
     return FeatureMap(cameras=cams, state=states[0] if states else STATE, action=actions[0] if actions else ACTION)
 
 
-def profile_features(profile: "RobotProfile") -> FeatureMap:
+class _Named(Protocol):
+    name: str
+
+
+class DatasetKeys(Protocol):
+    state: str
+    action: str
+
+    def camera_key(self, name: str) -> str: ...
+
+
+class DatasetProfile(Protocol):
+    """What :func:`profile_features` reads off a robot profile (``nodes.profile.RobotProfile``:
+    its cameras and its ``dataset`` section). Named here, not imported: ``io`` sits below the
+    nodes and does not depend on them."""
+
+    cameras: Sequence[_Named]
+    dataset: DatasetKeys
+
+
+def profile_features(profile: DatasetProfile) -> FeatureMap:
     """The dataset keys a robot profile's ``dataset`` section names, its cameras in profile order."""
     ds = profile.dataset
     return FeatureMap(cameras={c.name: ds.camera_key(c.name) for c in profile.cameras}, state=ds.state,
                       action=ds.action)
 
 
-def resolve_features(checkpoint: str | Path, profile: "RobotProfile | None" = None,
+def resolve_features(checkpoint: str | Path, profile: DatasetProfile | None = None,
                      overrides: Sequence[str] = ()) -> FeatureMap:
     """The mapping a command uses: the profile's ``dataset`` section when a profile is given,
     else the checkpoint's ``config.json``; then each ``--feature`` override."""

@@ -18,16 +18,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import Protocol, Sequence
 
 import numpy as np
 
 from .bags import BagTopics, Episode, EpisodeFrame, read_episode
-from .dataset_features import FeatureMap, resolve_features
+from .dataset_features import DatasetProfile, FeatureMap, resolve_features
 from .lerobot_dataset import DatasetError, LeRobotDatasetReader
-
-if TYPE_CHECKING:
-    from ..nodes.profile import RobotProfile
 
 
 class EpisodeRef(Protocol):
@@ -160,7 +157,7 @@ def dataset_refs(reader: LeRobotDatasetReader, features: FeatureMap, episodes: s
     return [DatasetRef(reader, i, features) for i in parse_episode_selection(episodes, list(reader.episodes))]
 
 
-def open_dataset(root: str | Path, checkpoint: str | Path, profile: "RobotProfile | None" = None,
+def open_dataset(root: str | Path, checkpoint: str | Path, profile: DatasetProfile | None = None,
                  overrides: Sequence[str] = (), episodes: str | None = None, log=lambda m: None):
     """The policy and the selected episodes of a dataset, the features mapped (the profile's
     ``dataset`` section or the checkpoint's ``config.json``, then ``overrides``) and checked

@@ -13,9 +13,9 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import Callable, Iterable
 
 import torch
 from safetensors import safe_open
@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 
 from .checkpoint_meta import (
     GEMMA_VARIANTS,
+    CheckpointError,
     CheckpointMetaError,
     camera_layout,
     check_variants,
@@ -30,13 +31,11 @@ from .checkpoint_meta import (
     variant,
     variant_names,
 )
-from .config import GemmaConfig, Pi05Config, SiglipConfig
+from .config import GemmaConfig, Pi05Config, SiglipConfig, config_from_dict, config_to_dict
 from .gemma import mlp_block
 from .parts import ModelPart, load_parts, part_of
 from .pi05 import Pi05Model
-
-if TYPE_CHECKING:
-    from .shared_weights import SharedWeights
+from .shared_weights import SharedWeights, load_shared_model
 
 LEROBOT_PREFIX = "model."
 _PWE = "paligemma_with_expert."
@@ -61,17 +60,6 @@ HEAD_KEY = _PWE + "paligemma.lm_head.weight"
 _ACCEPTED_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 _SIGLIP_HEADS = {1152: 16}
 ARCH_KEY = "vla_runtime_arch"
-# Version of the fused in-memory layout built at load (``layout_groups``' fusions, the derived
-# buffers of ``Pi05Model.refresh_derived``). Shared weight files (``shared_weights``) hold that
-# layout and are keyed by this number: bump it whenever the layout changes, even when the shapes
-# stay the same, so that no process ever maps a file written in an older layout.
-# 2: the text embedding comes from embed_tokens (was lm_head); a file built by version 1 from a
-# checkpoint whose two tensors differ holds the wrong embedding.
-RUNTIME_LAYOUT_VERSION = 2
-
-
-class CheckpointError(ValueError):
-    """The checkpoint cannot be used as is; the message says exactly why."""
 
 
 @dataclass(frozen=True)
@@ -134,7 +122,7 @@ class LoadedCheckpoint:
     path: Path
     layout: str
     files: list[Path] = field(default_factory=list)
-    shared: "SharedWeights | None" = None  # the mapped file when loaded with share_weights
+    shared: SharedWeights | None = None  # the mapped file when loaded with share_weights
 
 
 # --------------------------------------------------------------------------- layout spec
@@ -380,16 +368,6 @@ def _infer_config(path: Path, index: dict[str, TensorInfo]) -> Pi05Config:
         raise CheckpointError(f"{path}: {e}") from None
 
 
-def config_to_dict(cfg: Pi05Config) -> dict:
-    return asdict(cfg)
-
-
-def config_from_dict(d: dict) -> Pi05Config:
-    d = dict(d)
-    return Pi05Config(vision=SiglipConfig(**d.pop("vision")), vlm=GemmaConfig(**d.pop("vlm")),
-                      expert=GemmaConfig(**d.pop("expert")), **d).validate()
-
-
 # --------------------------------------------------------------------------- validation + load
 def validate(cfg: Pi05Config, index: dict[str, TensorInfo], where: Path) -> None:
     """Refuse the checkpoint unless it holds exactly the expected tensors, shapes and dtypes."""
@@ -444,7 +422,7 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32, device
 
     With ``share_weights`` (CPU only) the fused weights are not kept in private memory: they are
     mapped from a runtime-layout file in ``cache_dir`` that every process loading the same
-    checkpoint maps too (see ``shared_weights.load_shared_checkpoint``; the hash is then always
+    checkpoint maps too (see ``load_shared_checkpoint``; the hash is then always
     computed, it names the file).
 
     ``parts`` (a pipeline process's role, ``models.parts``): the model holds only those parts,
@@ -455,8 +433,6 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32, device
     """
     path = Path(path)
     if share_weights:
-        from .shared_weights import load_shared_checkpoint  # imports this module
-
         ck = load_shared_checkpoint(path, dtype=dtype, device=device, cache_dir=cache_dir)
         if parts is not None:
             ck.model.keep_only(parts)
@@ -488,6 +464,27 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32, device
     model.eval().requires_grad_(False)
     digest = content_hash(files) if compute_hash else "unhashed"
     return LoadedCheckpoint(model, cfg, digest, path, layout, files)
+
+
+def load_shared_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                           cache_dir: str | Path | None = None) -> LoadedCheckpoint:
+    """Load a checkpoint with its weights mapped from the shared runtime-layout file.
+
+    Only the headers are read here (layout, architecture, content hash: it names the file);
+    ``shared_weights.load_shared_model`` maps the file, building it with a normal load on first
+    use. Returns the same ``LoadedCheckpoint`` as ``load_checkpoint``, with ``shared``
+    describing the mapping.
+    """
+    if torch.device(device).type != "cpu":
+        raise ValueError(f"share_weights maps weights into CPU memory; device {device!r} is not supported "
+                         "(on GPU one process owns the weights and exports them through CUDA IPC)")
+    path = Path(path)
+    files, _, layout, cfg = read_checkpoint_layout(path)
+    digest = content_hash(files)
+    model, info = load_shared_model(
+        cfg, digest, dtype, lambda: load_checkpoint(path, dtype=dtype, device="cpu", compute_hash=False).model,
+        cache_dir)
+    return LoadedCheckpoint(model, cfg, digest, path, layout, files, shared=info)
 
 
 # --------------------------------------------------------------------------- writing

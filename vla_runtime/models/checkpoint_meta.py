@@ -22,6 +22,11 @@ CONFIG_FILE = "config.json"
 EMPTY_CAMERA_PREFIX = "observation.images.empty_camera_"
 
 
+class CheckpointError(ValueError):
+    """The checkpoint cannot be used as is; the message says exactly why (raised by the loader,
+    ``models.checkpoint``, and by the shared weight files it maps, ``models.shared_weights``)."""
+
+
 class CheckpointMetaError(ValueError):
     """``config.json`` contradicts itself or the tensors; the message names both sides."""
 

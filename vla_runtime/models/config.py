@@ -8,7 +8,7 @@ that what passes on them exercises the same code paths as the real model.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 
@@ -161,7 +161,7 @@ def _metaworld() -> Pi05Config:
 
 
 def _aloha() -> Pi05Config:
-    """The Meta-World preset's widths for ALOHA (tools/aloha_demos, trained on CPU): the profile's
+    """The Meta-World preset's widths for ALOHA (training/aloha_demos, trained on CPU): the profile's
     three cameras at 64x64, 14 joints (discretised into a longer prompt), and 20-target chunks
     (0.4 s at 50 Hz; the policy is re-queried every 10 steps)."""
     mw = _metaworld()
@@ -175,9 +175,9 @@ PRESETS: dict[str, Any] = {
     "pi05-d2": lambda: Pi05Config().with_depths(vision=2, vlm=2),
     # Same architecture, small: a call well under a second on 2 CPU cores (CPU benchmarks).
     "pi05-small": lambda: _small().validate(),
-    # Meta-World policy trained here on CPU (tools/train.py).
+    # Meta-World policy trained here on CPU (training/train.py).
     "pi05-mw": lambda: _metaworld().validate(),
-    # ALOHA transfer-cube policy trained here on CPU (tools/aloha_demos + tools/train.py).
+    # ALOHA transfer-cube policy trained here on CPU (training/aloha_demos + training/train.py).
     "pi05-aloha": lambda: _aloha().validate(),
     # Smallest: unit tests.
     "pi05-tiny": lambda: _tiny().validate(),
@@ -189,3 +189,14 @@ def preset(name: str) -> Pi05Config:
         return PRESETS[name]()
     except KeyError:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}") from None
+
+
+def config_to_dict(cfg: Pi05Config) -> dict:
+    """The architecture as plain JSON-able data (stored in ``config.json``, keys shared weight files)."""
+    return asdict(cfg)
+
+
+def config_from_dict(d: dict) -> Pi05Config:
+    d = dict(d)
+    return Pi05Config(vision=SiglipConfig(**d.pop("vision")), vlm=GemmaConfig(**d.pop("vlm")),
+                      expert=GemmaConfig(**d.pop("expert")), **d).validate()

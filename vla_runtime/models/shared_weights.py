@@ -55,25 +55,24 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
 
 from ..io.files import fsync_dir
-from .checkpoint import (
-    RUNTIME_LAYOUT_VERSION,
-    CheckpointError,
-    LoadedCheckpoint,
-    config_to_dict,
-    content_hash,
-    load_checkpoint,
-    read_checkpoint_layout,
-)
-from .config import Pi05Config
+from .checkpoint_meta import CheckpointError
+from .config import Pi05Config, config_to_dict
 from .layers import KVCache
 from .pi05 import Pi05Model
 
+# Version of the fused in-memory layout built at load (``checkpoint.layout_groups``' fusions,
+# the derived buffers of ``Pi05Model.refresh_derived``). Shared weight files hold that layout
+# and are keyed by this number: bump it whenever the layout changes, even when the shapes stay
+# the same, so that no process ever maps a file written in an older layout.
+# 2: the text embedding comes from embed_tokens (was lm_head); a file built by version 1 from a
+# checkpoint whose two tensors differ holds the wrong embedding.
+RUNTIME_LAYOUT_VERSION = 2
 CACHE_ENV = "VLA_RUNTIME_CACHE"
 FORMAT = "vla_runtime.shared_weights"
 ALIGN = 64
@@ -388,22 +387,18 @@ def _build_lock(path: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def load_shared_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                           cache_dir: str | Path | None = None) -> LoadedCheckpoint:
-    """Load a checkpoint with its weights mapped from the shared runtime-layout file.
+def load_shared_model(cfg: Pi05Config, checkpoint_hash: str, dtype: torch.dtype, build: Callable[[], nn.Module],
+                      cache_dir: str | Path | None = None) -> tuple[Pi05Model, SharedWeights]:
+    """The model of ``cfg`` with its weights mapped from the shared runtime-layout file.
 
-    First use of a checkpoint (per dtype, layout version, torch version): a normal load, fused
-    weights written to the cache, private copy dropped. Later processes read only the headers,
-    build the model on the meta device and map the file: no private copy ever exists. Returns the
-    same ``LoadedCheckpoint`` as ``load_checkpoint``, with ``shared`` describing the mapping.
+    First use of a checkpoint (per dtype, layout version, torch version): ``build()`` loads it
+    the normal way, its fused weights are written to the cache and the private copy dropped.
+    Later processes build the model on the meta device and map the file: no private copy ever
+    exists. ``build`` is passed in by the checkpoint loader
+    (``checkpoint.load_checkpoint(share_weights=True)``, which reads the layout and the hash),
+    so this module never calls back into it.
     """
-    if torch.device(device).type != "cpu":
-        raise ValueError(f"share_weights maps weights into CPU memory; device {device!r} is not supported "
-                         "(on GPU one process owns the weights and exports them through CUDA IPC)")
-    path = Path(path)
-    files, _, layout, cfg = read_checkpoint_layout(path)
-    digest = content_hash(files)
-    meta = shared_metadata(digest, cfg, dtype)
+    meta = shared_metadata(checkpoint_hash, cfg, dtype)
     target = shared_weights_path(meta, cache_dir)
     model = runtime_skeleton(cfg, dtype)
     try:
@@ -414,16 +409,14 @@ def load_shared_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32,
                 info = map_shared(model, target, expect_metadata=meta)
             except (FileNotFoundError, SharedWeightsError) as e:
                 if isinstance(e, SharedWeightsError):
-                    warnings.warn(f"rebuilding the shared weight file: {e}", RuntimeWarning, stacklevel=2)
+                    warnings.warn(f"rebuilding the shared weight file: {e}", RuntimeWarning, stacklevel=3)
                 # Builders write only under this lock, so a temporary file of this target now is
                 # what a killed builder left behind (as large as the model): remove it.
                 for stale in target.parent.glob(f".{target.name}.*.tmp"):
                     stale.unlink(missing_ok=True)
-                loaded = load_checkpoint(path, dtype=dtype, device="cpu", compute_hash=False)
-                export_runtime_state(loaded.model, target, meta)
-                del loaded
+                export_runtime_state(build(), target, meta)   # the private copy is dropped on return
                 info = replace(map_shared(model, target, expect_metadata=meta), built=True)
-    return LoadedCheckpoint(model, cfg, digest, path, layout, files, shared=info)
+    return model, info
 
 
 # --------------------------------------------------------------------------- measuring

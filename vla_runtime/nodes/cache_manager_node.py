@@ -19,7 +19,8 @@ from std_msgs.msg import Empty, String
 from vla_runtime.msg import ReferenceSelection
 
 from ..cache.retrieval import Match
-from .conversions import InputError, instruction_from_msg
+from ..io.messages import InputError
+from .conversions import instruction_from_msg
 from .diagnostics import DIAGNOSTICS_TOPIC, diagnostic_array
 from .params import CACHE_MANAGER, declare_parameters, profile_and_checkpoint, ring_names
 from .prefix_ring import EPISODE_TOPIC, SELECTION_TOPIC

@@ -1,38 +1,24 @@
 """Message conversions at the node boundary: the one place robot input is validated.
 
-Everything a node receives goes through here before it reaches a worker: images (raw or
-compressed) to RGB arrays, joint states to a state vector in the profile's joint order, header
-stamps (from the future, too old), camera freshness (a camera that stopped or froze), the
-instruction, and action chunks out to ``trajectory_msgs/JointTrajectory``. A bad message
-raises ``InputError`` with a diagnostic; the node reports it and keeps its last safe state, so
-the engine never sees malformed data. The functions only read attributes of the message
-objects, so rclpy messages and rosbags messages (replay) go through the same code.
+Everything a node receives goes through here before it reaches a worker: header stamps (from
+the future, too old), camera freshness (a camera that stopped or froze), the instruction, and
+action chunks out to ``trajectory_msgs/JointTrajectory``. Images (raw or compressed) to RGB
+arrays and joint states to a state vector in the profile's joint order go through
+``vla_runtime.io.messages`` (``image_from_msg``, ``JointStateAssembler``), which the bag reader
+shares. A bad message raises ``InputError`` with a diagnostic; the node reports it and keeps
+its last safe state, so the engine never sees malformed data. The functions only read
+attributes of the message objects, so rclpy messages and rosbags messages (replay) go through
+the same code.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..io.bags import COMPRESSED_IMAGE_TYPE, IMAGE_TYPE, decode_image_message
-
-
-class InputError(ValueError):
-    """A message that must not reach the engine; the text is the diagnostic."""
-
-
-def image_from_msg(msg: Any, compressed: bool, camera: str, max_side: int = 4096) -> np.ndarray:
-    """uint8 RGB [H, W, 3] from ``sensor_msgs/Image`` or ``CompressedImage``."""
-    try:
-        img = decode_image_message(msg, COMPRESSED_IMAGE_TYPE if compressed else IMAGE_TYPE)
-    except (ValueError, AttributeError, TypeError) as e:
-        raise InputError(f"camera {camera!r}: {e}") from None
-    if max(img.shape[:2]) > max_side:
-        raise InputError(f"camera {camera!r}: image {img.shape[1]}x{img.shape[0]} exceeds {max_side} pixels a side")
-    return img
+from ..io.messages import InputError
 
 
 MAX_INSTRUCTION_CHARS = 1000
@@ -138,56 +124,6 @@ def instruction_from_msg(msg: Any) -> str:
     if any(not c.isprintable() and c not in "\t\n" for c in text):
         raise InputError("instruction with control characters refused")
     return text
-
-
-@dataclass
-class JointStateAssembler:
-    """Joint states (possibly several topics, e.g. one per arm) -> one vector in profile order.
-
-    Bag reading (``vla_runtime.io.bags.read_episode`` with joint names, hence replay and the
-    cache builder) feeds recorded messages through this same class, so a recording is
-    assembled and refused exactly as the policy node does it live.
-    """
-
-    joint_names: Sequence[str]
-
-    def __post_init__(self) -> None:
-        self.index = {n: i for i, n in enumerate(self.joint_names)}
-        self.state = np.full(len(self.joint_names), np.nan)
-        self.stamp_ns = np.zeros(len(self.joint_names), dtype=np.int64)
-
-    def update(self, msg: Any, stamp_ns: int) -> None:
-        names, pos = list(msg.name), list(msg.position)
-        if len(names) != len(pos):
-            raise InputError(f"JointState has {len(names)} names but {len(pos)} positions")
-        if len(set(names)) != len(names):
-            raise InputError(f"JointState names a joint twice: {sorted({n for n in names if names.count(n) > 1})}")
-        known = [(self.index[n], p) for n, p in zip(names, pos) if n in self.index]
-        if not known:
-            raise InputError(f"JointState names {names[:8]} match none of the profile's joints {list(self.joint_names)[:8]}")
-        bad = [n for n, p in zip(names, pos) if n in self.index and not math.isfinite(p)]
-        if bad:
-            raise InputError(f"JointState has non-finite positions for {bad}")
-        for i, p in known:
-            self.state[i] = p
-            self.stamp_ns[i] = stamp_ns
-
-    def complete(self) -> bool:
-        return bool(np.isfinite(self.state).all())
-
-    def missing(self) -> list[str]:
-        """The profile's joints no accepted message has named yet, in profile order: what
-        keeps the state incomplete (replay names them when a recording never has them)."""
-        return [n for n, v in zip(self.joint_names, self.state) if not math.isfinite(v)]
-
-    def vector(self) -> np.ndarray:
-        missing = self.missing()
-        if missing:
-            raise InputError(f"no joint state received yet for {missing}")
-        return self.state.astype(np.float32)
-
-    def oldest_stamp_ns(self) -> int:
-        return int(self.stamp_ns.min())
 
 
 def chunk_to_trajectory(actions: np.ndarray, joint_names: Sequence[str], first_action_time_ns: int, period_s: float,

@@ -32,9 +32,10 @@ from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
 from vla_runtime.msg import ActionChunk, PrefixRequest, SlotReady
 
 from ..engine.controller import ControllerConfig, StreamingController
+from ..io.messages import InputError, JointStateAssembler
 from ..ipc.ring import RingBufferError
 from .adapters import group_commands, single_commands
-from .conversions import InputError, JointStateAssembler, StampCheck, chunk_to_trajectory, instruction_from_msg, stamp_ns
+from .conversions import StampCheck, chunk_to_trajectory, instruction_from_msg, stamp_ns
 from .diagnostics import DIAGNOSTICS_TOPIC, diagnostic_array
 from .params import POLICY, declare_parameters, profile_and_checkpoint, ring_names
 from .prefix_ring import EPISODE_TOPIC, READY_TOPIC, REQUEST_TOPIC

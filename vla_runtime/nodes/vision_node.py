@@ -25,7 +25,8 @@ from sensor_msgs.msg import CompressedImage, Image
 
 from vla_runtime.msg import PrefixRequest, ReferenceSelection, SlotReady
 
-from .conversions import CameraFeed, InputError, StampCheck, image_from_msg, stamp_ns, usable_images
+from ..io.messages import InputError, image_from_msg
+from .conversions import CameraFeed, StampCheck, stamp_ns, usable_images
 from .diagnostics import DIAGNOSTICS_TOPIC, diagnostic_array
 from .params import VISION, declare_parameters, profile_and_checkpoint, ring_names
 from .prefix_ring import READY_TOPIC, REQUEST_TOPIC, SELECTION_TOPIC

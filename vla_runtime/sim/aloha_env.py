@@ -18,11 +18,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 os.environ.setdefault("MUJOCO_GL", "egl")   # headless; must be set before dm_control loads a GL backend
 
 import numpy as np  # noqa: E402
+
+if TYPE_CHECKING:
+    from ..nodes.profile import RobotProfile
 
 TASKS = ("transfer_cube", "insertion")
 INSTRUCTIONS = {"transfer_cube": "pick up the cube with the right arm and hand it over to the left arm",
@@ -31,6 +35,18 @@ SUCCESS_REWARD = 4
 CONTROL_DT = 0.02          # gym-aloha steps at 50 Hz, the ALOHA profile's control rate
 STATE_DIM = 14
 DEFAULT_CAMERAS = {"cam_high": "top", "cam_left_wrist": "left_wrist", "cam_right_wrist": "right_wrist"}
+DEFAULT_PROFILE = Path("config/aloha.yaml")     # the ALOHA profile, from the repository root, as `run` reads config/sim.yaml
+
+
+def check_profile(profile: "RobotProfile", cameras: dict[str, str]) -> None:
+    """The harness speaks the profile's language: its 14 joints and its camera names."""
+    if len(profile.joint_names) != STATE_DIM:
+        raise ValueError(f"profile {profile.name!r} has {len(profile.joint_names)} joints; gym-aloha has {STATE_DIM}")
+    if abs(profile.control_hz * CONTROL_DT - 1.0) > 1e-6:
+        raise ValueError(f"profile {profile.name!r} runs at {profile.control_hz} Hz; gym-aloha steps at {1 / CONTROL_DT} Hz")
+    names = [c.name for c in profile.cameras]
+    if sorted(names) != sorted(cameras):
+        raise ValueError(f"profile cameras {names} but the harness maps {sorted(cameras)}")
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,8 @@ os.environ.setdefault("MUJOCO_GL", "egl")
 
 import numpy as np  # noqa: E402
 
+from ..io.bags import BagTopics  # noqa: E402
+
 #: Tasks with large, fixed objects: learnable from small images (see the feasibility probe).
 TASK_INSTRUCTIONS: dict[str, str] = {
     "button-press-topdown-v3": "press the button down from the top",
@@ -53,6 +55,13 @@ CONTROL_DT = 0.0125
 ACTION_DIM = 4
 STATE_NAMES: tuple[str, ...] = ("hand_x", "hand_y", "hand_z", "gripper_opening")
 ACTION_NAMES: tuple[str, ...] = ("d_hand_x", "d_hand_y", "d_hand_z", "gripper_effort")
+
+
+def bag_topics(cameras: tuple[str, ...]) -> BagTopics:
+    """Topic names of the Meta-World bags (a Sawyer with fixed cameras): what
+    ``training.metaworld_demos`` records and ``eval`` builds its references from."""
+    return BagTopics(cameras={c: f"/cameras/{c}/image_raw" for c in cameras}, joint_states="/joint_states",
+                     instruction="/instruction", outcome="/episode_outcome", joint_names=STATE_NAMES)
 
 
 @dataclass(frozen=True)

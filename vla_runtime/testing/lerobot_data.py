@@ -49,7 +49,7 @@ def write_test_checkpoint(path: str | Path, episodes: list[DatasetEpisodeData], 
     """A random-weight checkpoint whose ``config.json`` names ``observation.images.cam0``/``cam1``
     (the first two cameras of the dataset), with the dataset's state/action statistics."""
     from ..models.config import preset
-    from ..tools.demo import write_random_checkpoint
+    from ..commands.demo import write_random_checkpoint
 
     path = Path(path)
     states = np.concatenate([ep.state for ep in episodes])

@@ -42,14 +42,14 @@ CALL_PERIOD = 0.5
 
 
 def demo_spec():
-    from vla_runtime.tools.demo import DemoSpec
+    from vla_runtime.commands.demo import DemoSpec
 
     return DemoSpec(preset="pi05-tiny", episodes=2, held_out=1, steps_per_episode=20, seed=0)
 
 
 def build_checkpoint(root: Path) -> Path:
     """The demo checkpoint the golden was made with, built under ``root``; returns its directory."""
-    from vla_runtime.tools.demo import make_demo
+    from vla_runtime.commands.demo import make_demo
 
     return Path(make_demo(root, demo_spec(), log=lambda _: None)["checkpoint"])
 

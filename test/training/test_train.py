@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from vla_runtime.engine.policy import Observation, Pi05Policy
 from vla_runtime.io.bags import BagTopics, Episode, EpisodeFrame, JointSeries, write_episode_bag
 from vla_runtime.models.checkpoint import load_checkpoint
-from vla_runtime.tools.train import BatchSampler, TrainConfig, action_chunks, load_demos, train
+from vla_runtime.training.train import BatchSampler, TrainConfig, action_chunks, load_demos, train
 
 CAMS = ("corner", "topview")
 DT = 0.0125
@@ -169,7 +169,7 @@ def test_task_sampling_draws_every_task_equally_whatever_its_frame_count():
 def test_bags_in_a_robot_profiles_layout_are_read_through_its_topics(tmp_path):
     """ALOHA demonstrations (the profile's camera topics, joints by name over two arms' topics)
     become frames with the profile's cameras in its order and 14-dim states and action chunks."""
-    from vla_runtime.tools.aloha_demos import AlohaDemoConfig, record_aloha_demos
+    from vla_runtime.training.aloha_demos import AlohaDemoConfig, record_aloha_demos
 
     profile = str(Path(__file__).resolve().parents[2] / "config" / "aloha.yaml")
     record_aloha_demos(AlohaDemoConfig(episodes=1, profile=profile, image_size=64), tmp_path / "demos",

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from vla_runtime.io.bags import read_episode, read_joint_series, write_episode_bag
-from vla_runtime.sim.metaworld_env import MetaWorldConfig, MetaWorldTask, scripted_expert
-from vla_runtime.tools.metaworld_demos import ACTION_TOPIC, DemoConfig, bag_topics, main, record_episode
-from vla_runtime.tools.train import action_chunks
+from vla_runtime.sim.metaworld_env import MetaWorldConfig, MetaWorldTask, bag_topics, scripted_expert
+from vla_runtime.training.metaworld_demos import ACTION_TOPIC, DemoConfig, main, record_episode
+from vla_runtime.training.train import action_chunks
 
 
 def test_recorded_episode_round_trips(tmp_path):

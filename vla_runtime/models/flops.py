@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from ..models.config import GemmaConfig, Pi05Config
+from .config import GemmaConfig, Pi05Config
 
 
 def _projection_flops(c: GemmaConfig) -> int:

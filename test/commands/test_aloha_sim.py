@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from vla_runtime.nodes.profile import EngineSpec, load_profile
-from vla_runtime.sim.aloha_env import STATE_DIM, AlohaSimConfig, AlohaTask
-from vla_runtime.tools.aloha_sim import DEFAULT_PROFILE, AlohaRunSpec, check_profile, run_aloha, run_episode
+from vla_runtime.sim.aloha_env import DEFAULT_PROFILE, STATE_DIM, AlohaSimConfig, AlohaTask, check_profile
+from vla_runtime.commands.aloha_sim import AlohaRunSpec, run_aloha, run_episode
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 

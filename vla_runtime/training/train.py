@@ -1,12 +1,12 @@
 """Train a small pi0.5 policy of our architecture with flow matching on recorded episode bags.
 
-Why here (``tools/``, not the runtime API): training is an offline job that produces a
+Why here (``training/``, not the runtime API): training is an offline job that produces a
 checkpoint; the runtime only loads checkpoints. The output is in the public layout the runtime
 loads unchanged (``model.safetensors`` + ``config.json``, LeRobot normalisation files, a
 SentencePiece tokenizer), so the trained policy goes through exactly the deployed path.
 
-Data: bags written by ``tools/metaworld_demos`` (or a robot recording with the same topics), or
-with ``--robot-profile`` bags in a robot profile's own layout (``tools/aloha_demos``, a robot's
+Data: bags written by ``training/metaworld_demos`` (or a robot recording with the same topics), or
+with ``--robot-profile`` bags in a robot profile's own layout (``training/aloha_demos``, a robot's
 recording; the state is assembled by joint name as the policy node does): one frame per policy
 call (cameras, state, instruction) and the commanded action at every control tick on an action
 topic; the target of frame ``i`` is the chunk of ``chunk_size`` actions from
@@ -27,7 +27,7 @@ meaning what they meant: the DAgger round (expert-labelled states the policy vis
 by ``metaworld_demos --policy``) fine-tunes the policy on the old and new episodes together.
 Unsuccessful episodes are skipped unless their ``demos.json`` says they carry DAgger labels.
 
-    python -m vla_runtime.tools.train --demos /tmp/mw/demos --out /tmp/mw/ckpt \\
+    python -m vla_runtime.training.train --demos /tmp/mw/demos --out /tmp/mw/ckpt \\
         --export /tmp/mw/checkpoint --minutes 55
 """
 
@@ -495,7 +495,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     d = TrainConfig(demos="", out="")
     p = argparse.ArgumentParser(prog="train", description="train a small pi0.5 policy with flow matching")
-    p.add_argument("--demos", required=True, help="directory of episode bags (tools.metaworld_demos output)")
+    p.add_argument("--demos", required=True, help="directory of episode bags (training.metaworld_demos output)")
     p.add_argument("--out", required=True, help="run directory: training state, dataset cache, tokenizer")
     p.add_argument("--export", default=None, help="write the final checkpoint (public layout) here")
     p.add_argument("--resume", action="store_true", help="continue the run saved in --out (its settings win)")
@@ -505,7 +505,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cameras", default=None, help=f"camera names in model order (default: the robot profile's, "
                                                    f"else {','.join(d.cameras)})")
     p.add_argument("--robot-profile", default=None, help="bags recorded in this robot profile's layout (its "
-                                                         "camera and joint-state topics; e.g. tools.aloha_demos)")
+                                                         "camera and joint-state topics; e.g. training.aloha_demos)")
     for name in ("batch", "draws", "warmup", "max_steps", "shift", "seed", "threads", "log_every"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
     for name in ("lr", "minutes", "weight_decay", "save_minutes", "call_period", "control_dt", "val_fraction",

@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from vla_runtime.cli import main
 from vla_runtime.io.bags import BAG_FORMAT_VERSION, JOINT_STATE_TYPE
 from vla_runtime.nodes.profile import load_profile
-from vla_runtime.tools.replay import camera_type_warnings, read_action_chunks
+from vla_runtime.commands.replay import camera_type_warnings, read_action_chunks
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "replay"
 PROFILE = DATA.parents[2] / "config" / "sim.yaml"

@@ -26,7 +26,7 @@ in ``<out>/lerobot`` (:func:`export_lerobot`): one dataset frame per recorded po
 command the expert issued at that frame's step, so LeRobot tooling and ``build-cache --dataset``
 read the same demonstrations.
 
-Run: ``python -m vla_runtime.tools.metaworld_demos --out /tmp/mw/demos --episodes 40``;
+Run: ``python -m vla_runtime.training.metaworld_demos --out /tmp/mw/demos --episodes 40``;
 DAgger: ``... --out /tmp/mw/demos/dagger1 --policy /tmp/mw/checkpoint --episodes 30 --seed-base 20000``.
 """
 
@@ -43,9 +43,9 @@ from typing import Callable
 
 import numpy as np
 
-from ..io.bags import BagTopics, write_episode_bag
+from ..io.bags import write_episode_bag
 from ..sim.metaworld_env import (ACTION_NAMES, CONTROL_DT, DEFAULT_CAMERAS, DEFAULT_TASKS, STATE_NAMES,
-                                 MetaWorldConfig, MetaWorldTask, scripted_expert)
+                                 MetaWorldConfig, MetaWorldTask, bag_topics, scripted_expert)
 from .recording import ACTION_TOPIC, MANIFEST, Driver, Rollout, labels_kind, pipeline_driver, record_rollout
 
 
@@ -91,17 +91,11 @@ class DemoConfig:
                                max_steps=self.max_steps, pose_band=self.pose_band).validate()
 
 
-def bag_topics(cameras: tuple[str, ...]) -> BagTopics:
-    """Topic names of the Meta-World bags (a Sawyer with fixed cameras)."""
-    return BagTopics(cameras={c: f"/cameras/{c}/image_raw" for c in cameras}, joint_states="/joint_states",
-                     instruction="/instruction", outcome="/episode_outcome", joint_names=STATE_NAMES)
-
-
 def record_episode(env: MetaWorldTask, seed: int, call_every: int, tail_steps: int,
                    driver: Driver | None = None, beta: float = 0.0) -> Rollout:
     """One episode from ``seed``'s pose, frames every ``call_every`` steps, Meta-World's scripted
     expert's action (clipped to the action box) recorded at every step; with ``driver`` (DAgger)
-    the policy acts except on calls the expert takes over (``tools.recording.record_rollout``)."""
+    the policy acts except on calls the expert takes over (``training.recording.record_rollout``)."""
     def expert() -> Callable[[], np.ndarray]:
         policy = scripted_expert(env.cfg.task)
         return lambda: np.clip(np.asarray(policy.get_action(env.full_observation), np.float64), -1.0, 1.0)

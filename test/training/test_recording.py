@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vla_runtime.tools.recording import keeps_failed_episodes, labels_kind, record_rollout
+from vla_runtime.training.recording import keeps_failed_episodes, labels_kind, record_rollout
 
 
 @dataclass

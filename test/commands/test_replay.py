@@ -17,7 +17,7 @@ import yaml
 from rosbags.rosbag2 import Reader
 
 from vla_runtime.cli import main
-from vla_runtime.tools.replay import (ACTION_CHUNK_TOPIC, ACTION_CHUNK_TYPE, DIAGNOSTICS_TOPIC, DIAGNOSTICS_TYPE,
+from vla_runtime.commands.replay import (ACTION_CHUNK_TOPIC, ACTION_CHUNK_TYPE, DIAGNOSTICS_TOPIC, DIAGNOSTICS_TYPE,
                                       LATENCY_TOPIC, PHASE_LATENCY_TYPE,
                                       read_action_chunks, read_replay_provenance,
                                       runtime_typestore)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from vla_runtime.cli import main
-from vla_runtime.tools.replay import read_action_chunks
+from vla_runtime.commands.replay import read_action_chunks
 from vla_runtime.testing.lerobot_data import FPS, synthetic_episodes, write_test_checkpoint, write_test_dataset
 
 CALL_PERIOD = 0.5

@@ -60,7 +60,7 @@ def run_stream_bench(spec: StreamBenchSpec, log=print) -> dict:
     import torch
 
     from ..engine.policy import Pi05Policy
-    from ..tools.demo import DEMO_TASK, DemoSpec, make_demo
+    from .demo import DEMO_TASK, DemoSpec, make_demo
 
     spec = spec.validate()
     if spec.threads:

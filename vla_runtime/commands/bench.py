@@ -22,9 +22,9 @@ import torch
 from ..engine.dense import DenseEngine, ModelInputs
 from ..models.checkpoint import load_checkpoint
 from ..models.config import Pi05Config, preset
+from ..models.flops import denoise_flops, prefill_flops, vision_flops
 from ..models.pi05 import Pi05Model, init_random_
 from ..progress import Progress, silent
-from .flops import denoise_flops, prefill_flops, vision_flops
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -19,13 +19,13 @@ from vla_runtime.engine.policy import Pi05Policy
 from vla_runtime.io.bags import write_episode_bag
 from vla_runtime.models.config import preset
 from vla_runtime.nodes.profile import EngineSpec
-from vla_runtime.sim.metaworld_env import DEFAULT_CAMERAS, TASK_INSTRUCTIONS, MetaWorldConfig, MetaWorldTask
-from vla_runtime.tools.demo import write_random_checkpoint
-from vla_runtime.tools import eval as eval_tool
+from vla_runtime.sim.metaworld_env import DEFAULT_CAMERAS, TASK_INSTRUCTIONS, MetaWorldConfig, MetaWorldTask, bag_topics
+from vla_runtime.commands.demo import write_random_checkpoint
+from vla_runtime.commands import eval as eval_tool
 from vla_runtime.testing.progress import RecordingBars
-from vla_runtime.tools.eval import EpisodeResult, EvalSpec, evaluate, paired, pool, summary as eval_summary
-from vla_runtime.tools.eval import table as eval_table
-from vla_runtime.tools.metaworld_demos import ACTION_TOPIC, bag_topics, record_episode
+from vla_runtime.commands.eval import EpisodeResult, EvalSpec, evaluate, paired, pool, summary as eval_summary
+from vla_runtime.commands.eval import table as eval_table
+from vla_runtime.training.metaworld_demos import ACTION_TOPIC, record_episode
 
 TASK = "button-press-topdown-v3"
 
@@ -308,7 +308,7 @@ def test_repository_from_a_lerobot_dataset(setup, tmp_path):
     """eval --reference-dataset: the repository is built from an exported demonstration dataset,
     one reference call per dataset frame, the same calls (states) as the demonstration's bag."""
     from vla_runtime.io.bags import list_episode_bags, read_episode
-    from vla_runtime.tools.metaworld_demos import main as demos_main
+    from vla_runtime.training.metaworld_demos import main as demos_main
 
     demos = tmp_path / "demos"
     assert demos_main(["--out", str(demos), "--tasks", TASK, "--episodes", "1", "--image-size", "32",

@@ -240,9 +240,10 @@ def record_references(spec: EvalSpec, log: Callable[[str], None],
 
 
 def reference_topics(spec: EvalSpec) -> BagTopics:
-    """The topics of the demonstration bags (``metaworld_demos.bag_topics``): references and
-    demonstrations are the same kind of recording."""
-    from .metaworld_demos import bag_topics
+    """The topics of the demonstration bags (``sim.metaworld_env.bag_topics``, as
+    ``training.metaworld_demos`` records them): references and demonstrations are the same kind
+    of recording."""
+    from ..sim.metaworld_env import bag_topics
 
     return bag_topics(spec.cameras)
 

@@ -17,8 +17,8 @@ profile's safety filter, as on the robot (the expert takes over a call with prob
 ``--beta``), the expert's targets for the states actually reached are recorded at every step,
 and every episode is kept (``"labels": "dagger"``), failures included.
 
-    python -m vla_runtime.tools.aloha_demos --out /tmp/aloha/demos --episodes 50
-    python -m vla_runtime.tools.aloha_demos --out /tmp/aloha/dagger1 --episodes 40 --seed-base 5000 \
+    python -m vla_runtime.training.aloha_demos --out /tmp/aloha/demos --episodes 50
+    python -m vla_runtime.training.aloha_demos --out /tmp/aloha/dagger1 --episodes 40 --seed-base 5000 \
         --policy checkpoints/pi05-aloha-transfer-cube --beta 0.3
 """
 
@@ -37,9 +37,8 @@ import numpy as np
 from ..engine.safety import SafetyFilter
 from ..io.bags import BagTopics, profile_topics, write_episode_bag
 from ..nodes.profile import RobotProfile, load_profile
-from ..sim.aloha_env import CONTROL_DT, DEFAULT_CAMERAS, AlohaSimConfig, AlohaTask
+from ..sim.aloha_env import CONTROL_DT, DEFAULT_CAMERAS, DEFAULT_PROFILE, AlohaSimConfig, AlohaTask, check_profile
 from ..sim.aloha_expert import TransferCubeExpert
-from .aloha_sim import DEFAULT_PROFILE, check_profile
 from .recording import (ACTION_TOPIC, MANIFEST, CommandFilter, Driver, Rollout, labels_kind, pipeline_driver,
                         record_rollout)
 
@@ -101,7 +100,7 @@ def safety_command(env: AlohaTask, profile: RobotProfile) -> CommandFilter:
 
 def record_transfer_cube(env: AlohaTask, seed: int, call_every: int, tail_steps: int, driver: Driver | None = None,
                          beta: float = 0.0, command: CommandFilter | None = None) -> Rollout:
-    """One expert episode from ``seed``'s cube position (``tools.recording.record_rollout``); with
+    """One expert episode from ``seed``'s cube position (``training.recording.record_rollout``); with
     ``driver`` (DAgger) the policy acts, through ``command``, except on calls the expert takes over."""
     expert = TransferCubeExpert(env)
 

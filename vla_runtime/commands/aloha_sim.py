@@ -8,7 +8,7 @@ on the robot (``n_execute`` ticks at the profile's 50 Hz): the next chunk must b
 the current one runs out, or the robot waits.
 
 With ``--checkpoint`` it runs that policy (``checkpoints/pi05-aloha-transfer-cube`` is trained
-here on ``tools/aloha_demos``' scripted demonstrations). Without one it writes a pi0.5 checkpoint
+here on ``training/aloha_demos``' scripted demonstrations). Without one it writes a pi0.5 checkpoint
 with *random weights* of the chosen preset in the public layout, with normalisation statistics
 drawn around the simulator's home pose: plumbing and latency only, success is expected to be 0.
 
@@ -32,11 +32,10 @@ from ..engine.timing import summarize
 from ..models.checkpoint import read_checkpoint_layout
 from ..models.config import preset
 from ..nodes.pipeline import PipelineSpec, make_pipeline
-from ..nodes.profile import CacheSpec, EngineSpec, RobotProfile, load_profile
+from ..nodes.profile import CacheSpec, EngineSpec, load_profile
 from ..nodes.stages import RingNames
-from ..sim.aloha_env import CONTROL_DT, DEFAULT_CAMERAS, INSTRUCTIONS, STATE_DIM, AlohaSimConfig, AlohaTask
-
-DEFAULT_PROFILE = Path("config/aloha.yaml")     # from the repository root, as `run` reads config/sim.yaml
+from ..sim.aloha_env import (CONTROL_DT, DEFAULT_CAMERAS, DEFAULT_PROFILE, INSTRUCTIONS, STATE_DIM, AlohaSimConfig,
+                             AlohaTask, check_profile)
 
 
 @dataclass(frozen=True)
@@ -63,17 +62,6 @@ class AlohaRunSpec:
             raise ValueError("episodes, max_steps and n_execute must be >= 1")
         if self.task not in INSTRUCTIONS:
             raise ValueError(f"unknown gym-aloha task {self.task!r}; choose from {sorted(INSTRUCTIONS)}")
-
-
-def check_profile(profile: RobotProfile, cameras: dict[str, str]) -> None:
-    """The harness speaks the profile's language: its 14 joints and its camera names."""
-    if len(profile.joint_names) != STATE_DIM:
-        raise ValueError(f"profile {profile.name!r} has {len(profile.joint_names)} joints; gym-aloha has {STATE_DIM}")
-    if abs(profile.control_hz * CONTROL_DT - 1.0) > 1e-6:
-        raise ValueError(f"profile {profile.name!r} runs at {profile.control_hz} Hz; gym-aloha steps at {1 / CONTROL_DT} Hz")
-    names = [c.name for c in profile.cameras]
-    if sorted(names) != sorted(cameras):
-        raise ValueError(f"profile cameras {names} but the harness maps {sorted(cameras)}")
 
 
 def write_aloha_checkpoint(ckpt: Path, preset_name: str, env: AlohaTask, cameras: list[str], seed: int = 0) -> None:

@@ -12,8 +12,8 @@ import pytest
 
 from vla_runtime.io.bags import list_episode_bags, profile_topics, read_episode, read_joint_series
 from vla_runtime.nodes.profile import load_profile
-from vla_runtime.tools.aloha_demos import AlohaDemoConfig, joint_layout, main, record_aloha_demos
-from vla_runtime.tools.recording import ACTION_TOPIC
+from vla_runtime.training.aloha_demos import AlohaDemoConfig, joint_layout, main, record_aloha_demos
+from vla_runtime.training.recording import ACTION_TOPIC
 
 ROOT = Path(__file__).resolve().parents[2]
 PROFILE = ROOT / "config" / "aloha.yaml"
@@ -60,7 +60,7 @@ def test_a_dagger_round_drives_through_the_safety_filter_and_keeps_failures(tmp_
     """A driver that asks every joint for its upper limit at once: the executed commands move no
     faster than the profile's max_velocity, the expert still labels every step (its first target
     is the home pose), and the failed episode is kept under DAgger labels."""
-    import vla_runtime.tools.aloha_demos as demos
+    import vla_runtime.training.aloha_demos as demos
 
     profile = load_profile(PROFILE)
     upper, speed = np.asarray(profile.joint_upper), np.asarray(profile.max_velocity)
