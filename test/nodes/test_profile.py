@@ -136,3 +136,41 @@ def test_norm_asset_reaches_the_engine_spec():
     d = _sim()
     d["engine"]["norm_asset"] = "physical-intelligence/libero"
     assert profile_from_dict(d, "sim").engine.norm_asset == "physical-intelligence/libero"
+
+
+def test_relative_paths_are_found_from_the_profile_never_the_working_directory(tmp_path, monkeypatch):
+    """Next to the profile first; for a profile in a config/ folder, in the folder above it (the
+    package: source tree or install share); the working directory plays no part."""
+    pkg = tmp_path / "pkg"
+    (pkg / "config").mkdir(parents=True)
+    (pkg / "checkpoints" / "c").mkdir(parents=True)
+    (pkg / "config" / "near").mkdir()
+    d = _sim()
+    d["engine"]["checkpoint"] = "checkpoints/c"
+    d["cache"] = {"enabled": False, "repository": "near"}
+    (pkg / "config" / "p.yaml").write_text(yaml.safe_dump(d))
+    monkeypatch.chdir(tmp_path)
+    p = load_profile("pkg/config/p.yaml")
+    assert p.engine.checkpoint == str(pkg / "checkpoints" / "c")       # the package's
+    assert p.cache.repository == str(pkg / "config" / "near")           # next to the profile
+    d["engine"]["checkpoint"] = "missing"
+    (tmp_path / "q.yaml").write_text(yaml.safe_dump(d))
+    assert load_profile(tmp_path / "q.yaml").engine.checkpoint == str(tmp_path / "missing")   # named, not found
+    d["engine"]["checkpoint"] = str(tmp_path / "abs")
+    (tmp_path / "q.yaml").write_text(yaml.safe_dump(d))
+    assert load_profile(tmp_path / "q.yaml").engine.checkpoint == str(tmp_path / "abs")
+
+
+def test_stock_profiles_start_where_they_run():
+    """No stock profile insists on CUDA or on an architecture the checkpoint must be; the ALOHA
+    profile's bundled checkpoint is found from the profile and fits it (cameras, 14 joints)."""
+    from vla_runtime.nodes.profile import EngineSpec
+    from vla_runtime.nodes.stages import load_policy
+
+    for name in ("aloha", "franka", "sim"):
+        e = load_profile(CONFIG / f"{name}.yaml").engine
+        assert e.device in ("auto", "cpu") and e.preset is None, (name, e)
+    aloha = load_profile(CONFIG / "aloha.yaml")
+    policy = load_policy(aloha.engine.checkpoint, EngineSpec(device="cpu", share_weights=False),
+                         [c.name for c in aloha.cameras], aloha.state_dim)
+    assert policy.state_dim == 14

@@ -37,7 +37,8 @@ class CacheManagerNode(Node):
         self.profile, ckpt = profile_and_checkpoint(v)
         prof = self.profile
         policy = load_policy(ckpt, self.profile.engine, [c.name for c in self.profile.cameras], prof.state_dim,
-                             role="cache")
+                             role="cache",
+                             control_hz=self.profile.control_hz)
         self.chunk_s = policy.engine.cfg.chunk_size / prof.control_hz
         self.time_available_s = float(v["time_available_s"]) or self.chunk_s
         self.last_upkeep_s = 0.0
@@ -112,7 +113,7 @@ class CacheManagerNode(Node):
 
 
 def main(args: list[str] | None = None) -> None:
-    run(CacheManagerNode, args=args)
+    run(CacheManagerNode, "vla_cache_manager", args=args)
 
 
 if __name__ == "__main__":

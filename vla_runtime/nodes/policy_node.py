@@ -53,7 +53,8 @@ class PolicyNode(Node):
         self.profile, ckpt = profile_and_checkpoint(v)
         prof = self.profile
         policy = load_policy(ckpt, self.profile.engine, [c.name for c in self.profile.cameras], prof.state_dim,
-                             role="policy")
+                             role="policy",
+                             control_hz=self.profile.control_hz)
         cc = cache_config(prof.cache, open_repository_meta(prof.cache, policy))
         self.stage = PolicyStage(policy, ring_names(v), cc, int(v["seed"]))
         s = prof.streaming
@@ -325,7 +326,7 @@ class PolicyNode(Node):
 
 
 def main(args: list[str] | None = None) -> None:
-    run(PolicyNode, threads=2, args=args)
+    run(PolicyNode, "vla_policy", threads=2, args=args)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ from ..cache.halves import HALVES, parse_setting
 from ..engine.safety import JointLimits
 from ..engine.stitching import StitchConfig
 from ..models.config import PRESETS
+from .devices import device_problem
 
 log = logging.getLogger(__name__)
 
@@ -226,8 +227,8 @@ class RobotProfile:
             raise bad("engine.preset", f"must be null or one of {sorted(PRESETS)}, got {e.preset!r}")
         if e.dtype not in ("float32", "bfloat16", "float16"):
             raise bad("engine.dtype", f"must be float32, bfloat16 or float16, got {e.dtype!r}")
-        if not isinstance(e.device, str) or not (e.device == "cpu" or e.device.split(":")[0] == "cuda"):
-            raise bad("engine.device", f"must be cpu, cuda or cuda:N, got {e.device!r}")
+        if problem := device_problem(e.device):
+            raise bad("engine.device", problem)
         if e.threads is not None and not (isinstance(e.threads, int) and 1 <= e.threads <= 256):
             raise bad("engine.threads", f"must be null or an int in [1, 256], got {e.threads!r}")
         if not isinstance(e.share_weights, bool):
@@ -299,8 +300,33 @@ def profile_from_dict(data: dict, where: str = "profile") -> RobotProfile:
     return prof.validate()
 
 
+def profile_path(value: str | None, profile_file: Path) -> str | None:
+    """A path a profile names (``engine.checkpoint``, ``cache.repository``), independent of the
+    working directory: absolute (``~`` expanded) as given; relative, against the profile's
+    folder, or, for a profile in a ``config/`` folder, against the folder above it (the package:
+    the source tree, or ``install/share/vla_runtime``, where ``checkpoints/`` is installed too).
+    The first that exists wins; when none does, the package's (or the folder's) is returned, so
+    the error the loader raises names a place the profile could mean."""
+    if not value:
+        return value
+    p = Path(value).expanduser()
+    if p.is_absolute():
+        return str(p)
+    folder = profile_file.resolve().parent
+    bases = [folder] + ([folder.parent] if folder.name == "config" else [])
+    candidates = [b / p for b in bases]
+    return str(next((c for c in candidates if c.exists()), candidates[-1]))
+
+
+def with_paths_resolved(prof: RobotProfile, profile_file: Path) -> RobotProfile:
+    """``prof`` with its checkpoint and repository paths made absolute (``profile_path``)."""
+    return replace(prof, engine=replace(prof.engine, checkpoint=profile_path(prof.engine.checkpoint, profile_file)),
+                   cache=replace(prof.cache, repository=profile_path(prof.cache.repository, profile_file)))
+
+
 def load_profile(path: str | Path) -> RobotProfile:
-    """Read and validate a robot profile YAML (``config/<robot>.yaml``)."""
+    """Read and validate a robot profile YAML (``config/<robot>.yaml``); relative paths in it
+    are resolved against the file (``profile_path``), never the working directory."""
     path = Path(path)
     try:
         data = yaml.safe_load(path.read_text())
@@ -308,4 +334,4 @@ def load_profile(path: str | Path) -> RobotProfile:
         raise ProfileError(f"{path}: no such profile file") from None
     except yaml.YAMLError as e:
         raise ProfileError(f"{path}: not valid YAML ({e})") from None
-    return profile_from_dict(data, where=str(path))
+    return with_paths_resolved(profile_from_dict(data, where=str(path)), path)

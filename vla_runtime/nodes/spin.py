@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -96,13 +97,33 @@ def ignore_sigint() -> None:
             continue
 
 
-def run(make_node: Callable[[], object], threads: int = 1, args: list[str] | None = None) -> None:
+START_FAILED = 3   # the exit status of a node that could not start (the launch files stop on it)
+
+
+def start_failure(name: str, exc: BaseException) -> str:
+    """The one line a node that cannot start prints (no traceback: the reason is the message; a
+    ValueError or OSError carries it in its text, anything else is named by its type too)."""
+    text = " ".join(str(exc).split())
+    if not isinstance(exc, (ValueError, OSError)) or not text:
+        text = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return f"{name}: cannot start: {text}"
+
+
+def run(make_node: Callable[[], object], name: str, threads: int = 1, args: list[str] | None = None) -> None:
+    """Start ``make_node`` and spin it until shutdown. A node that cannot start (bad profile,
+    checkpoint, device, parameter) prints one line saying why on stderr and the process exits
+    with ``START_FAILED``, so that a launcher, or a shell, sees the failure and its reason."""
     import rclpy
     from rclpy._rclpy_pybind11 import RCLError
     from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor, SingleThreadedExecutor
 
     rclpy.init(args=args)
-    node = make_node()
+    try:
+        node = make_node()
+    except (Exception, KeyboardInterrupt) as e:   # noqa: BLE001 - every reason is reported the same way
+        print(start_failure(name, e), file=sys.stderr, flush=True)
+        rclpy.try_shutdown()
+        raise SystemExit(START_FAILED) from None
     executor = MultiThreadedExecutor(num_threads=threads) if threads > 1 else SingleThreadedExecutor()
     executor.add_node(node)
     try:

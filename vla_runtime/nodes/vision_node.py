@@ -43,7 +43,8 @@ class VisionNode(Node):
         self.params = v
         self.profile, ckpt = profile_and_checkpoint(v)
         policy = load_policy(ckpt, self.profile.engine, [c.name for c in self.profile.cameras], self.profile.state_dim,
-                             role="vision")
+                             role="vision",
+                             control_hz=self.profile.control_hz)
         cache = self.profile.cache if self.profile.cache.enabled else None
         self.stage = VisionStage(policy, ring_names(v), int(v["ring_slots"]), cache, self.profile.arm_slices)
         self.feeds = {c.name: CameraFeed(c.name) for c in self.profile.cameras}
@@ -164,7 +165,7 @@ class VisionNode(Node):
 
 
 def main(args: list[str] | None = None) -> None:
-    run(VisionNode, threads=3, args=args)
+    run(VisionNode, "vla_vision", threads=3, args=args)
 
 
 if __name__ == "__main__":
