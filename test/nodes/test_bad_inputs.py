@@ -271,8 +271,10 @@ def test_empty_instruction_is_ignored(text):
 def test_over_long_or_control_character_instruction_is_refused():
     with pytest.raises(InputError, match="1001 characters refused"):
         instruction_from_msg(NS(data="x" * 1001))
-    with pytest.raises(InputError, match="control characters"):
+    with pytest.raises(InputError, match=r"control characters refused \(U\+0000 at 4\): the current task continues"):
         instruction_from_msg(NS(data="pick\x00up"))
+    with pytest.raises(InputError, match=r"\(U\+0007 at 0, U\+001B at 5\)"):
+        instruction_from_msg(NS(data="\x07pick\x1bup"))
     assert instruction_from_msg(NS(data="  pick up the cube \n")) == "pick up the cube"
 
 

@@ -22,7 +22,7 @@ from ..cache.retrieval import Match
 from .conversions import InputError, instruction_from_msg
 from .diagnostics import DIAGNOSTICS_TOPIC, diagnostic_array
 from .params import CACHE_MANAGER, declare_parameters, profile_and_checkpoint, ring_names
-from .prefix_ring import EPISODE_TOPIC, SELECTION_TOPIC
+from .prefix_ring import EPISODE_TOPIC, SELECTION_TOPIC, subscribe_instruction
 from .priority import background_priority
 from .spin import run
 from .stages import CacheStage, Selection, load_policy
@@ -48,7 +48,7 @@ class CacheManagerNode(Node):
         self.create_subscription(ReferenceSelection, SELECTION_TOPIC, self._on_selection, 10)
         self.episode = 0   # counted from EPISODE_TOPIC as the policy node counts it (its requests carry it)
         self.create_subscription(Empty, EPISODE_TOPIC, self._on_episode_start, 10)
-        self.create_subscription(String, prof.instruction_topic, self._on_instruction, 10)
+        subscribe_instruction(self, prof.instruction_topic, self._on_instruction)   # latched or not
         self.create_timer(0.1, self.stage.heartbeat)
         self.create_timer(1.0, self._publish_diagnostics)
         state = f"on, fallback: {self.stage.fallback_rule}" if self.stage.enabled else \

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 
 import numpy as np
 from builtin_interfaces.msg import Duration, Time
@@ -34,14 +35,25 @@ from vla_runtime.msg import ActionChunk, PrefixRequest, SlotReady
 from ..engine.controller import ControllerConfig, StreamingController
 from ..ipc.ring import RingBufferError
 from .adapters import group_commands, single_commands
-from .conversions import InputError, JointStateAssembler, StampCheck, chunk_to_trajectory, instruction_from_msg, stamp_ns
+from .conversions import (InputError, JointStateAssembler, StampCheck, chunk_to_trajectory, implausible_joints,
+                          instruction_from_msg, points_passed, stamp_ns)
 from .diagnostics import DIAGNOSTICS_TOPIC, diagnostic_array
 from .params import POLICY, declare_parameters, profile_and_checkpoint, ring_names
-from .prefix_ring import EPISODE_TOPIC, READY_TOPIC, REQUEST_TOPIC
+from .prefix_ring import EPISODE_TOPIC, READY_TOPIC, REQUEST_TOPIC, subscribe_instruction
 from .spin import CallbackGate, gated, run
 from .stages import PolicyStage, SlotNote, cache_config, load_policy, open_repository_meta
 
 PARAMETERS = POLICY
+
+
+@dataclass(frozen=True)
+class Asked:
+    """When a prefix request went out: on this node's clock (timeouts, latency; simulated time
+    with use_sim_time) and on the machine's monotonic clock (the vision node stamps its slots
+    with that one: a slot encoded before the request is a leftover)."""
+
+    clock_s: float
+    monotonic_ns: int
 SHUTDOWN_WAIT_S = 5.0   # for the chunk being computed at shutdown
 
 
@@ -70,7 +82,7 @@ class PolicyNode(Node):
         self.gate = CallbackGate()   # destroy_node waits for the chunk in flight before closing the rings
         self.t0_ns: int | None = None
         self.tick = -1
-        self.requested_at: dict[int, float] = {}
+        self.requested_at: dict[int, Asked] = {}
         self.request_timeouts = 0
         self.cached_calls = 0
         self.refused_joint_states = 0
@@ -80,9 +92,12 @@ class PolicyNode(Node):
         self.holds_published = 0
         self.last_refusal = ""
         self.last_latency_s = float("nan")
+        self.implausible_joint_states = 0
+        self.last_implausible = ""
         for topic in prof.joint_states_topics:
             self.create_subscription(JointState, topic, self._on_joints, 10)
-        self.create_subscription(String, prof.instruction_topic, self._on_instruction, 10)
+        # latched: an instruction published before this node started is still received
+        subscribe_instruction(self, prof.instruction_topic, self._on_instruction)   # latched or not
         self.episode = 0   # bumped by EPISODE_TOPIC: the same task again (e.g. the next part at a station)
         self.create_subscription(Empty, EPISODE_TOPIC, self._on_episode_start, 10)
         self.request_pub = self.create_publisher(PrefixRequest, REQUEST_TOPIC, 10)
@@ -113,6 +128,10 @@ class PolicyNode(Node):
     def request_timeout_s(self) -> float:
         return float(self.params["request_timeout_s"])
 
+    def _now_ns(self) -> int:
+        """This node's clock: ROS time, or /clock with use_sim_time (ticks, ages, latencies)."""
+        return self.get_clock().now().nanoseconds
+
     def _on_parameter(self, name: str, value: object) -> None:
         self.params[name] = value   # read on every use: takes effect from the next message / tick
 
@@ -125,10 +144,16 @@ class PolicyNode(Node):
         try:
             StampCheck(float(self.params["max_input_age_s"]), float(self.params["max_future_s"])).check(
                 stamp_ns(msg), self.get_clock().now().nanoseconds, "JointState")
-            self.joints.update(msg, time.monotonic_ns())
+            self.joints.update(msg, self._now_ns())
         except InputError as e:
             self.refused_joint_states += 1
             self._refuse(f"joint state refused: {e}")
+            return
+        far = implausible_joints(self.joints, self.profile.joint_lower, self.profile.joint_upper)
+        if far:   # finite, so taken (the safety filter keeps commands inside the limits), but said
+            self.implausible_joint_states += 1
+            self.last_implausible = "joint state implausible (units? wrong joint?): " + "; ".join(far)
+            self.get_logger().warning(self.last_implausible, throttle_duration_sec=2.0)
 
     def _on_episode_start(self, _msg: Empty) -> None:
         self.episode += 1
@@ -156,7 +181,7 @@ class PolicyNode(Node):
     def _on_tick(self) -> None:
         if self.task is None or not self.joints.complete():
             return
-        now_ns = time.monotonic_ns()
+        now_ns = self._now_ns()
         with self.lock:
             if self.t0_ns is None:
                 self.t0_ns = now_ns
@@ -183,7 +208,7 @@ class PolicyNode(Node):
             for c in single_commands(self.profile.output, command.action):
                 self.single_pubs[c.topic_index].publish(self.single_cmd(name=c.name, cmd=c.values[0]))
         if req is not None:
-            self.requested_at[req.request_seq] = time.monotonic()
+            self.requested_at[req.request_seq] = Asked(now_ns * 1e-9, time.monotonic_ns())
             msg = PrefixRequest()
             msg.header.stamp = self.get_clock().now().to_msg()
             msg.request_seq, msg.start_tick = req.request_seq, req.start_tick
@@ -192,8 +217,8 @@ class PolicyNode(Node):
 
     def _expire_request(self, tick: int) -> None:
         req = self.controller.in_flight
-        if req is not None and time.monotonic() - self.requested_at.get(req.request_seq, time.monotonic()) \
-                > self.request_timeout_s:
+        asked = self.requested_at.get(req.request_seq) if req is not None else None
+        if asked is not None and self._now_ns() * 1e-9 - asked.clock_s > self.request_timeout_s:
             self.get_logger().warning(f"prefix request {req.request_seq} unanswered after {self.request_timeout_s} s: "
                                       "asking again")
             self.requested_at.pop(req.request_seq, None)
@@ -215,14 +240,14 @@ class PolicyNode(Node):
             self.get_logger().warning(f"slot {msg.slot} seq {msg.sequence} was overwritten before it was read")
             return
         asked = self.requested_at.get(result.request_seq)
-        if asked is None or result.meta.stamp_ns < int(asked * 1e9):
+        if asked is None or result.meta.stamp_ns < asked.monotonic_ns:
             # Encoded before this request was made: a leftover for a request of this node's
             # previous run (same request number after a restart), never this call's answer.
             self.stale_slots += 1
             self._refuse(f"slot for request {result.request_seq} was encoded before that request: ignored")
             return
         self.requested_at.pop(result.request_seq, None)
-        latency = time.monotonic() - asked
+        latency = self._now_ns() * 1e-9 - asked.clock_s
         try:
             with self.lock:   # the latency and the call count move together (the diagnostics timer runs concurrently)
                 self.last_latency_s = latency
@@ -275,6 +300,9 @@ class PolicyNode(Node):
         out.actions = [float(x) for x in chunk.reshape(-1)]
         out.source = source
         self.chunk_pub.publish(out)
+        passed = points_passed(first_ns, period, self._now_ns(), len(upcoming))
+        if passed:   # a trajectory controller refuses a start in the past: begin at the next point due
+            upcoming, first_ns = upcoming[passed:], first_ns + int(round(passed * period * 1e9))
         if len(upcoming) == 0:
             return
         slices = prof.output.joint_slices or ((0, prof.state_dim),)
@@ -311,6 +339,8 @@ class PolicyNode(Node):
                   "holds_published": str(self.holds_published),
                   "refused_joint_states": str(self.refused_joint_states),
                   "refused_instructions": str(self.refused_instructions),
+                  "implausible_joint_states": str(self.implausible_joint_states),
+                  "last_implausible": self.last_implausible,
                   "instruction_changes": str(self.instruction_changes), "task": self.task or "",
                   "last_refusal": self.last_refusal,
                   "plan_stale": str(self.tick >= 0 and c.watchdog.is_stale(self.tick))}

@@ -15,8 +15,6 @@ until it sends new frames. Diagnostics go out after every call, every refusal an
 
 from __future__ import annotations
 
-import time
-
 from diagnostic_msgs.msg import DiagnosticArray
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 from rclpy.node import Node
@@ -89,7 +87,7 @@ class VisionNode(Node):
             return image_from_msg(msg, cam.compressed, cam.name)
 
         try:
-            self.feeds[cam.name].offer(stamp, time.monotonic_ns(), accept)
+            self.feeds[cam.name].offer(stamp, self.get_clock().now().nanoseconds, accept)
         except InputError as e:
             self.refused_images += 1
             self._refuse(f"image refused: {e}")
@@ -109,7 +107,7 @@ class VisionNode(Node):
 
     @gated
     def _on_request(self, req: PrefixRequest) -> None:
-        images, self.missing, self.stale = usable_images(self.feeds, time.monotonic_ns(),
+        images, self.missing, self.stale = usable_images(self.feeds, self.get_clock().now().nanoseconds,
                                                          float(self.params["max_image_age_s"]),
                                                          int(self.params["frozen_after"]))
         if self.stale or not images:
