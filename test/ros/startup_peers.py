@@ -9,7 +9,7 @@
    trajectories (the policy node received the instruction).
 3. A finite but implausible joint state (100 rad): the policy node's diagnostics name the joint.
 4. An instruction with a control character: refused, said in the diagnostics, the task goes on.
-5. Ctrl-C (SIGINT) to the three nodes: their exit statuses and whether their rings are gone (the
+5. Ctrl-C (SIGINT, twice) to the three nodes: their exit statuses and whether their rings are gone (the
    test reads their logs for tracebacks).
 Prints a JSON report on the last line of stdout. SPEC_JSON: {"profile": path, "logs": folder,
 "images": {camera: [[...]]}, "state": [...], "task": str, "joint_names": [...], "cameras": {camera:
@@ -129,9 +129,11 @@ def run(spec: dict) -> int:
         report["task_after"] = policy("task")
         report["alive_before_sigint"] = {n: p.poll() is None for n, p in procs.items()}
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGINT)
+        for _ in range(2):   # twice, as a terminal's Ctrl-C reaches a launched node (directly and relayed)
+            for p in procs.values():
+                if p.poll() is None:
+                    p.send_signal(signal.SIGINT)
+            time.sleep(0.05)
         exit_codes = {}
         for n, p in procs.items():
             try:

@@ -85,6 +85,11 @@ def spin_until_shutdown(spin: Callable[[], None], context_ok: Callable[[], bool]
         pass
 
 
+def _interrupt(signum: int, _frame: Any) -> None:
+    """SIGTERM (a launcher's second request) ends the spin as Ctrl-C does."""
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def ignore_sigint() -> None:
     """Ignore further Ctrl-C, so that the clean-up (closing the rings, destroying the node) runs to
     its end: a terminal's Ctrl-C reaches the node twice (directly and relayed by ``ros2 launch``),
@@ -92,6 +97,7 @@ def ignore_sigint() -> None:
     while True:
         try:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
             return
         except KeyboardInterrupt:
             continue
@@ -116,8 +122,13 @@ def run(make_node: Callable[[], object], name: str, threads: int = 1, args: list
     import rclpy
     from rclpy._rclpy_pybind11 import RCLError
     from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor, SingleThreadedExecutor
+    from rclpy.signals import SignalHandlerOptions
 
-    rclpy.init(args=args)
+    # rclpy's own SIGINT handler shuts the context down at once, under the callbacks still running
+    # in the executor's threads (their publish then fails: "publisher's context is invalid"). Here
+    # Ctrl-C (and SIGTERM) only ends the spin; the context goes down last, after the node.
+    rclpy.init(args=args, signal_handler_options=SignalHandlerOptions.NO)
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         node = make_node()
     except (Exception, KeyboardInterrupt) as e:   # noqa: BLE001 - every reason is reported the same way
@@ -130,6 +141,6 @@ def run(make_node: Callable[[], object], name: str, threads: int = 1, args: list
         spin_until_shutdown(executor.spin, rclpy.ok, (RCLError, ExternalShutdownException))
     finally:
         ignore_sigint()
-        node.destroy_node()
-        if rclpy.ok():
-            rclpy.shutdown()
+        node.destroy_node()        # waits for the callbacks in flight (CallbackGate), then the rings
+        executor.shutdown(timeout_sec=0)
+        rclpy.try_shutdown()
