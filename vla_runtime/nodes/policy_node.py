@@ -27,14 +27,14 @@ from diagnostic_msgs.msg import DiagnosticArray
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 from rclpy.node import Node
 from sensor_msgs.msg import JointState
-from std_msgs.msg import Empty, String
+from std_msgs.msg import Empty, Float64MultiArray, String
 from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
 
 from vla_runtime.msg import ActionChunk, PrefixRequest, SlotReady
 
 from ..engine.controller import ControllerConfig, StreamingController
 from ..ipc.ring import RingBufferError
-from .adapters import group_commands, single_commands
+from .adapters import gripper_positions, group_commands, single_commands, trajectory_parts
 from .conversions import (InputError, JointStateAssembler, StampCheck, chunk_to_trajectory, implausible_joints,
                           instruction_from_msg, points_passed, stamp_ns)
 from .diagnostics import DIAGNOSTICS_TOPIC, diagnostic_array
@@ -105,6 +105,7 @@ class PolicyNode(Node):
         self.diag_pub = self.create_publisher(DiagnosticArray, DIAGNOSTICS_TOPIC, 10)
         self.group_cmd = self.single_cmd = None
         self.traj_pubs, self.group_pubs, self.single_pubs = [], [], []
+        self.gripper_traj_pub = self.gripper_array_pub = None
         if prof.output.kind == "interbotix_joint_group":
             try:
                 from interbotix_xs_msgs.msg import JointGroupCommand, JointSingleCommand
@@ -117,6 +118,10 @@ class PolicyNode(Node):
             self.single_pubs = [self.create_publisher(JointSingleCommand, t, 10) for t in prof.output.single_topics]
         else:
             self.traj_pubs = [self.create_publisher(JointTrajectory, t, 10) for t in prof.output.topics]
+            if prof.output.gripper_kind == "joint_trajectory":
+                self.gripper_traj_pub = self.create_publisher(JointTrajectory, prof.output.gripper_topic, 10)
+            elif prof.output.gripper_kind == "float64_array":
+                self.gripper_array_pub = self.create_publisher(Float64MultiArray, prof.output.gripper_topic, 10)
         self.create_subscription(SlotReady, READY_TOPIC, self._on_slot, 10,
                                  callback_group=MutuallyExclusiveCallbackGroup())
         self.create_timer(1.0 / prof.control_hz, self._on_tick, callback_group=MutuallyExclusiveCallbackGroup())
@@ -202,6 +207,9 @@ class PolicyNode(Node):
                 return
         if went_stale and self.traj_pubs:
             self._publish_hold(command.action)
+        if self.gripper_array_pub is not None:   # a forward command controller: the command every tick
+            fingers = gripper_positions(self.profile.output, command.action[None])[0]
+            self.gripper_array_pub.publish(Float64MultiArray(data=[float(x) for x in fingers]))
         if self.group_cmd is not None:   # Interbotix arms take their commands every control tick
             for c in group_commands(self.profile.output, command.action):
                 self.group_pubs[c.topic_index].publish(self.group_cmd(name=c.name, cmd=list(c.values)))
@@ -269,20 +277,7 @@ class PolicyNode(Node):
     def _publish_hold(self, action: np.ndarray) -> None:
         """The plan went stale: a one-point trajectory at the held command, effective now, replaces
         what the trajectory controller is executing (it would otherwise play the stale plan out)."""
-        prof = self.profile
-        period = 1.0 / prof.control_hz
-        now_ns = self.get_clock().now().nanoseconds
-        slices = prof.output.joint_slices or ((0, prof.state_dim),)
-        for pub, (a, b) in zip(self.traj_pubs, slices):
-            try:
-                traj = chunk_to_trajectory(self.controller.within_limits(action[None, a:b]), prof.joint_names[a:b],
-                                           now_ns, period, JointTrajectory, JointTrajectoryPoint,
-                                           lambda s, ns: Duration(sec=s, nanosec=ns),
-                                           lambda s, ns: Time(sec=s, nanosec=ns))
-            except InputError as e:
-                self.get_logger().error(f"hold not published: {e}")
-                continue
-            pub.publish(traj)
+        self._send_plan(self.controller.within_limits(action[None]), self._now_ns(), "hold")
         self.holds_published += 1
         self.get_logger().warning(f"no fresh chunk within {self.profile.streaming.watchdog_s} s: holding")
         self._publish_diagnostics()
@@ -303,19 +298,27 @@ class PolicyNode(Node):
         passed = points_passed(first_ns, period, self._now_ns(), len(upcoming))
         if passed:   # a trajectory controller refuses a start in the past: begin at the next point due
             upcoming, first_ns = upcoming[passed:], first_ns + int(round(passed * period * 1e9))
-        if len(upcoming) == 0:
-            return
-        slices = prof.output.joint_slices or ((0, prof.state_dim),)
-        for pub, (a, b) in zip(self.traj_pubs, slices):
+        if len(upcoming):
+            self._send_plan(upcoming, first_ns, "trajectory")
+
+    def _send_plan(self, actions: np.ndarray, first_ns: int, what: str) -> None:
+        """``actions`` [points, joints] from ``first_ns`` on to every trajectory output: each arm
+        topic exactly its controller's joints, a gripper trajectory controller its finger joints."""
+        prof = self.profile
+        parts = [(self.traj_pubs[i], names, pos) for i, names, pos in
+                 trajectory_parts(prof.output, prof.joint_names, actions)]
+        if self.gripper_traj_pub is not None:
+            parts.append((self.gripper_traj_pub, prof.output.gripper_joint_names,
+                          gripper_positions(prof.output, actions)))
+        for pub, names, positions in parts:
             try:
-                traj = chunk_to_trajectory(upcoming[:, a:b], prof.joint_names[a:b], first_ns, period, JointTrajectory,
+                traj = chunk_to_trajectory(positions, names, first_ns, 1.0 / prof.control_hz, JointTrajectory,
                                            JointTrajectoryPoint, lambda s, ns: Duration(sec=s, nanosec=ns),
                                            lambda s, ns: Time(sec=s, nanosec=ns))
             except InputError as e:
-                self.get_logger().error(f"trajectory not published: {e}")
+                self.get_logger().error(f"{what} not published: {e}")
                 continue
             pub.publish(traj)
-
 
     def _publish_diagnostics(self) -> None:
         """Health for rqt / diagnostic_aggregator: latency, holds, safety, watchdog, refusals, cache."""

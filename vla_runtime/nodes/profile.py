@@ -25,6 +25,7 @@ from .devices import device_problem
 log = logging.getLogger(__name__)
 
 OUTPUT_KINDS = ("joint_trajectory", "interbotix_joint_group")
+GRIPPER_KINDS = ("joint_trajectory", "float64_array")
 PREDICTORS = ("absolute", "delta", "observed")
 
 
@@ -51,6 +52,16 @@ class OutputSpec:
     single_topics: tuple[str, ...] = ()   # interbotix: JointSingleCommand topics (grippers)
     single_names: tuple[str, ...] = ()    # interbotix joint name per single topic (e.g. "gripper")
     single_joints: tuple[int, ...] = ()   # which action index each single topic gets
+    # A gripper on its own controller (an arm controller refuses joints it does not own): the
+    # action column ``gripper_joint`` (e.g. a finger width), times ``gripper_scale``, to every one
+    # of ``gripper_joint_names`` (Franka: the two fingers at half the width each), as a
+    # JointTrajectory (``joint_trajectory``: a gripper trajectory controller, the whole plan) or
+    # a Float64MultiArray (``float64_array``: a forward command controller, every control tick).
+    gripper_kind: str = ""
+    gripper_topic: str = ""
+    gripper_joint: int = -1
+    gripper_joint_names: tuple[str, ...] = ()
+    gripper_scale: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -132,6 +143,8 @@ class RobotProfile:
     streaming: StreamingSpec = field(default_factory=StreamingSpec)
     cache: CacheSpec = field(default_factory=CacheSpec)
     dataset: DatasetSpec = field(default_factory=DatasetSpec)
+    controllers: str | None = None   # the controller configuration the outputs are written for (documentation,
+    #                                  checked against the outputs by test/nodes/test_profile.py)
 
     @property
     def state_dim(self) -> int:
@@ -191,6 +204,19 @@ class RobotProfile:
                 raise bad("output.single_topics", "needs absolute topic names")
             if any(not isinstance(j, int) or not 0 <= j < n for j in o.single_joints):
                 raise bad("output.single_joints", f"action indices must be in [0, {n})")
+        if o.gripper_kind:
+            if o.gripper_kind not in GRIPPER_KINDS or o.kind != "joint_trajectory":
+                raise bad("output.gripper_kind", f"must be one of {GRIPPER_KINDS}, with output.kind joint_trajectory; "
+                                                 f"got {o.gripper_kind!r}")
+            if not o.gripper_topic or not o.gripper_joint_names:
+                raise bad("output.gripper_topic/gripper_joint_names", "a gripper output needs its topic and joints")
+            if isinstance(o.gripper_joint, bool) or not isinstance(o.gripper_joint, int) or not 0 <= o.gripper_joint < n:
+                raise bad("output.gripper_joint", f"action index must be in [0, {n}), got {o.gripper_joint!r}")
+            if not (isinstance(o.gripper_scale, (int, float)) and o.gripper_scale > 0):
+                raise bad("output.gripper_scale", f"must be > 0, got {o.gripper_scale!r}")
+            if any(a <= o.gripper_joint < b for a, b in o.joint_slices or ((0, n),)):
+                raise bad("output.joint_slices", f"the gripper joint {o.gripper_joint} also goes to an arm topic: "
+                                                 "its controller would refuse the trajectory")
         s = self.streaming
         if s.predictor not in PREDICTORS:
             raise bad("streaming.predictor", f"must be one of {PREDICTORS}, got {s.predictor!r}")
@@ -281,7 +307,7 @@ def profile_from_dict(data: dict, where: str = "profile") -> RobotProfile:
         out = d.pop("output", None) or {}
         out = _build(OutputSpec, {**out, **{k: tuple(tuple(x) if isinstance(x, list) else x for x in out[k])
                                             for k in ("topics", "groups", "joint_slices", "single_topics", "single_names",
-                                                      "single_joints") if k in out}}, f"{where}.output")
+                                                      "single_joints", "gripper_joint_names") if k in out}}, f"{where}.output")
         stream = dict(d.pop("streaming", None) or {})
         stitch = _build(StitchConfig, stream.pop("stitch", None), f"{where}.streaming.stitch")
         streaming = _build(StreamingSpec, {**stream, "stitch": stitch}, f"{where}.streaming")
@@ -321,7 +347,8 @@ def profile_path(value: str | None, profile_file: Path) -> str | None:
 def with_paths_resolved(prof: RobotProfile, profile_file: Path) -> RobotProfile:
     """``prof`` with its checkpoint and repository paths made absolute (``profile_path``)."""
     return replace(prof, engine=replace(prof.engine, checkpoint=profile_path(prof.engine.checkpoint, profile_file)),
-                   cache=replace(prof.cache, repository=profile_path(prof.cache.repository, profile_file)))
+                   cache=replace(prof.cache, repository=profile_path(prof.cache.repository, profile_file)),
+                   controllers=profile_path(prof.controllers, profile_file))
 
 
 def load_profile(path: str | Path) -> RobotProfile:
