@@ -497,7 +497,7 @@ def test_chunk_of_the_wrong_shape_is_not_executed():
     (P.VISION, "frozen_after", 1, r"must be 0 or in \[2, 100000\]"),
     (P.VISION, "max_image_age_s", -0.5, r"must be in \[0, 3600\]"),
     (P.CACHE_MANAGER, "time_available_s", -1.0, r"must be in \[0, 3600\]"),
-    (P.CACHE_MANAGER, "working_set", "", "non-empty"),
+    (P.CACHE_MANAGER, "working_set", "x" * 201, "at most 200 characters"),   # "": derived from the namespace
 ])
 def test_parameter_out_of_range_at_start_up_is_refused(table, name, value, why):
     problems = P.check_values(table, {name: value})

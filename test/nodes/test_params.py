@@ -58,3 +58,13 @@ def test_no_profile_or_no_checkpoint_is_one_clear_reason():
         P.profile_and_checkpoint(_values())
     with pytest.raises(ValueError, match=re.escape("no checkpoint: set the 'checkpoint' parameter (checkpoint:=DIR)")):
         P.profile_and_checkpoint(_values(profile=str(CONFIG / "franka.yaml")))
+
+
+def test_ring_names_follow_the_namespace_unless_set():
+    """Two pipelines in two namespaces get two sets of rings; the root namespace keeps the plain
+    names; a name set by parameter wins."""
+    assert P.ring_names({"ring": "", "working_set": ""}, "/") == P.RingNames("vla_prefix", "vla_refs")
+    assert P.ring_names({"ring": "", "working_set": ""}, "/cell/robot1") == \
+        P.RingNames("vla_prefix_cell_robot1", "vla_refs_cell_robot1")
+    assert P.ring_names({"ring": "mine", "working_set": ""}, "/r2") == P.RingNames("mine", "vla_refs_r2")
+    assert P.ring_names({}, "/r2").working_set == "vla_refs_r2"      # the policy node has no 'ring'

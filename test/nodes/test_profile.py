@@ -30,7 +30,7 @@ def _sim() -> dict:
     (lambda d: d.update(contol_hz=50), r"unknown key\(s\) \['contol_hz'\]"),
     (lambda d: d["streaming"].update(predictor="magic"), "streaming.predictor"),
     (lambda d: d["streaming"]["stitch"].update(mode="teleport"), "streaming.stitch"),
-    (lambda d: d["cameras"]["top"].update(topic="cameras/top"), "absolute topic"),
+    (lambda d: d["cameras"]["top"].update(topic="cameras top"), "must be a topic name"),
     (lambda d: d.update(cache={"enabled": True}), "cache.repository"),
     (lambda d: d["output"].update(kind="ros1"), "output.kind"),
     (lambda d: d.update(arm_slices=[[0, 9]]), "arm_slices"),

@@ -124,3 +124,24 @@ def test_ignore_sigint_survives_a_pending_interrupt(monkeypatch):
     finally:
         for s, handler in old.items():
             real(s, handler)
+
+
+def test_the_spin_comes_back_to_python_while_idle():
+    """An idle node must still notice Ctrl-C: each wait is bounded, so the interpreter runs (and
+    raises the pending KeyboardInterrupt) at least every SPIN_WAKE_S."""
+    from vla_runtime.nodes.spin import SPIN_WAKE_S, spin_interruptibly
+
+    class Executor:
+        def __init__(self):
+            self.timeouts = []
+
+        def spin_once(self, timeout_sec=None):
+            self.timeouts.append(timeout_sec)
+            if len(self.timeouts) == 3:
+                raise KeyboardInterrupt   # what a pending Ctrl-C does once back in Python
+
+    ex = Executor()
+    with pytest.raises(KeyboardInterrupt):
+        spin_interruptibly(ex, lambda: True)
+    assert ex.timeouts == [SPIN_WAKE_S] * 3 and 0 < SPIN_WAKE_S <= 0.5
+    assert spin_interruptibly(Executor(), lambda: False) is None      # context down: returns

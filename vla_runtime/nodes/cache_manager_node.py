@@ -43,7 +43,7 @@ class CacheManagerNode(Node):
         self.time_available_s = float(v["time_available_s"]) or self.chunk_s
         self.last_upkeep_s = 0.0
         self.nice = background_priority(prof.cache.background_nice)
-        self.stage = CacheStage(policy, prof.cache, ring_names(v), prof.arm_slices)
+        self.stage = CacheStage(policy, prof.cache, ring_names(v, self.get_namespace()), prof.arm_slices)
         self.diag_pub = self.create_publisher(DiagnosticArray, DIAGNOSTICS_TOPIC, 10)
         self.create_subscription(ReferenceSelection, SELECTION_TOPIC, self._on_selection, 10)
         self.episode = 0   # counted from EPISODE_TOPIC as the policy node counts it (its requests carry it)

@@ -46,6 +46,11 @@ def ring_name(v: Any) -> str:
     return "" if ok else f"must be a non-empty shared-memory name without '/', at most 200 characters; got {v!r}"
 
 
+def ring_param(v: Any) -> str:
+    """A ring parameter: '' (derived from the node's namespace) or a name."""
+    return "" if v == "" else ring_name(v)
+
+
 def one_of(*choices: str) -> Callable[[Any], str]:
     return lambda v: "" if v in choices else f"must be one of {list(choices)}, got {v!r}"
 
@@ -68,9 +73,11 @@ VISION = {
     "profile": PROFILE,
     "checkpoint": CHECKPOINT,
     **OVERRIDES,
-    "ring": Param("vla_prefix", "name of the prefix ring buffer (shared memory) this node creates", ring_name),
-    "working_set": Param("vla_refs", "name of the cache manager's working-set ring buffer (reference selection "
-                                     "and the Context Cache read it)", ring_name),
+    "ring": Param("", "name of the prefix ring buffer (shared memory) this node creates; '' derives it from the "
+                      "namespace (vla_prefix, vla_prefix_<ns>)", ring_param),
+    "working_set": Param("", "name of the cache manager's working-set ring buffer (reference selection and the "
+                             "Context Cache read it); '' derives it from the namespace (vla_refs, vla_refs_<ns>)",
+                         ring_param),
     "ring_slots": Param(4, "slots in the prefix ring buffer, in [2, 64]", in_range(2, 64)),
     "max_image_age_s": Param(1.0, "a camera with no new frame for this long (s) is stale: calls are refused (the "
                                   "robot holds) until it sends again; 0 turns the check off (run-time)",
@@ -87,8 +94,8 @@ POLICY = {
     "profile": PROFILE,
     "checkpoint": CHECKPOINT,
     **OVERRIDES,
-    "working_set": Param("vla_refs", "name of the cache manager's working-set ring buffer (Action Cache masks)",
-                         ring_name),
+    "working_set": Param("", "name of the cache manager's working-set ring buffer (Action Cache masks); '' derives "
+                             "it from the namespace", ring_param),
     "seed": Param(0, "noise seed: call n uses seed * 1000003 + n (reproducible chunks); >= 0", in_range(0, 2**62)),
     "request_timeout_s": Param(2.0, "a prefix request unanswered this long is abandoned and asked again (lost "
                                     "message, vision node restarting); in (0, 600] (run-time)",
@@ -101,7 +108,8 @@ CACHE_MANAGER = {
     "profile": Param("", "robot profile YAML (config/<robot>.yaml); its cache section configures this node"),
     "checkpoint": CHECKPOINT,
     **OVERRIDES,
-    "working_set": Param("vla_refs", "name of the working-set ring buffer this node creates", ring_name),
+    "working_set": Param("", "name of the working-set ring buffer this node creates; '' derives it from the "
+                             "namespace", ring_param),
     "time_available_s": Param(0.0, "rebuild budget per call for entries entering the window (rMuscle T_avl), "
                                    "seconds, in [0, 3600]; 0: one chunk's execution time (run-time)",
                               in_range(0.0, 3600.0), dynamic=True),
@@ -156,10 +164,11 @@ def declare_parameters(node: Any, table: dict[str, Param],
     return values
 
 
-def ring_names(values: dict[str, Any]) -> RingNames:
-    """The shared-memory names from a node's parameters (defaults where a node has no such parameter)."""
-    d = RingNames()
-    names = RingNames(values.get("ring", d.prefix), values.get("working_set", d.working_set))
+def ring_names(values: dict[str, Any], namespace: str = "/") -> RingNames:
+    """The shared-memory names from a node's parameters; those left '' (the default) are derived
+    from the node's namespace, so two pipelines in two namespaces never share a ring."""
+    d = RingNames.for_namespace(namespace)
+    names = RingNames(values.get("ring") or d.prefix, values.get("working_set") or d.working_set)
     for n in (names.prefix, names.working_set):
         if ring_name(n):
             raise ValueError(f"ring names must be non-empty, without '/', at most 200 characters; got {n!r}")

@@ -68,7 +68,7 @@ class PolicyNode(Node):
                              role="policy",
                              control_hz=self.profile.control_hz)
         cc = cache_config(prof.cache, open_repository_meta(prof.cache, policy))
-        self.stage = PolicyStage(policy, ring_names(v), cc, int(v["seed"]))
+        self.stage = PolicyStage(policy, ring_names(v, self.get_namespace()), cc, int(v["seed"]))
         s = prof.streaming
         self.controller = StreamingController(
             ControllerConfig(control_hz=prof.control_hz, chunk_size=policy.engine.cfg.chunk_size,
@@ -101,7 +101,7 @@ class PolicyNode(Node):
         self.episode = 0   # bumped by EPISODE_TOPIC: the same task again (e.g. the next part at a station)
         self.create_subscription(Empty, EPISODE_TOPIC, self._on_episode_start, 10)
         self.request_pub = self.create_publisher(PrefixRequest, REQUEST_TOPIC, 10)
-        self.chunk_pub = self.create_publisher(ActionChunk, "/vla_runtime/action_chunk", 10)
+        self.chunk_pub = self.create_publisher(ActionChunk, "vla_runtime/action_chunk", 10)
         self.diag_pub = self.create_publisher(DiagnosticArray, DIAGNOSTICS_TOPIC, 10)
         self.group_cmd = self.single_cmd = None
         self.traj_pubs, self.group_pubs, self.single_pubs = [], [], []
@@ -146,10 +146,13 @@ class PolicyNode(Node):
 
     # ------------------------------------------------------------ inputs (validated in conversions)
     def _on_joints(self, msg: JointState) -> None:
+        now = self._now_ns()
+        if now == 0:   # use_sim_time before the first /clock: no time to judge the stamp against yet
+            return
         try:
             StampCheck(float(self.params["max_input_age_s"]), float(self.params["max_future_s"])).check(
-                stamp_ns(msg), self.get_clock().now().nanoseconds, "JointState")
-            self.joints.update(msg, self._now_ns())
+                stamp_ns(msg), now, "JointState")
+            self.joints.update(msg, now)
         except InputError as e:
             self.refused_joint_states += 1
             self._refuse(f"joint state refused: {e}")

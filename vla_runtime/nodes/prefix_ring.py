@@ -1,5 +1,6 @@
 """The ring buffer of prefix slots between the vision and policy nodes (layout), and the topics
-of the small notifications between the three nodes."""
+of the small notifications between the three nodes (relative: under the nodes' namespace, so two
+pipelines in two namespaces never hear each other)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,10 @@ from ..ipc.layout import FieldSpec, SlotLayout
 from .workers import PrefixSlotSpec
 
 DEFAULT_RING = "vla_prefix"
-REQUEST_TOPIC = "/vla_runtime/prefix_request"   # policy -> vision: PrefixRequest
-READY_TOPIC = "/vla_runtime/slot_ready"         # vision -> policy: SlotReady
-SELECTION_TOPIC = "/vla_runtime/reference_selection"   # vision -> cache manager: ReferenceSelection (after the fact)
-EPISODE_TOPIC = "/vla_runtime/episode_start"    # robot -> policy: std_msgs/Empty, the same task starts again
+REQUEST_TOPIC = "vla_runtime/prefix_request"   # policy -> vision: PrefixRequest
+READY_TOPIC = "vla_runtime/slot_ready"         # vision -> policy: SlotReady
+SELECTION_TOPIC = "vla_runtime/reference_selection"   # vision -> cache manager: ReferenceSelection (after the fact)
+EPISODE_TOPIC = "vla_runtime/episode_start"    # robot -> policy: std_msgs/Empty, the same task starts again
 
 
 def subscribe_instruction(node, topic: str, callback) -> None:

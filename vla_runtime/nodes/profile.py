@@ -29,6 +29,15 @@ GRIPPER_KINDS = ("joint_trajectory", "float64_array")
 PREDICTORS = ("absolute", "delta", "observed")
 
 
+def topic_problem(topic: object) -> str:
+    """Why ``topic`` is not a topic name ('' when it is one). Relative names ('joint_states')
+    resolve under the node's namespace (one robot per namespace); absolute ones ('/joint_states')
+    do not."""
+    ok = isinstance(topic, str) and topic.strip("/") and " " not in topic and "//" not in topic \
+        and not topic.endswith("/")
+    return "" if ok else f"must be a topic name (relative, or absolute with a leading /), got {topic!r}"
+
+
 class ProfileError(ValueError):
     """The profile file is not usable; the message names the key and the problem."""
 
@@ -165,8 +174,8 @@ class RobotProfile:
         if len(set(names)) != len(names):
             raise bad("cameras", f"camera names must be unique, got {names}")
         for c in self.cameras:
-            if not c.topic.startswith("/"):
-                raise bad(f"cameras.{c.name}.topic", f"must be an absolute topic, got {c.topic!r}")
+            if problem := topic_problem(c.topic):
+                raise bad(f"cameras.{c.name}.topic", problem)
         n = len(self.joint_names)
         if n == 0 or len(set(self.joint_names)) != n:
             raise bad("joint_names", "must be a non-empty list of unique names")
@@ -186,8 +195,8 @@ class RobotProfile:
         o = self.output
         if o.kind not in OUTPUT_KINDS:
             raise bad("output.kind", f"must be one of {OUTPUT_KINDS}, got {o.kind!r}")
-        if not o.topics or any(not t.startswith("/") for t in o.topics):
-            raise bad("output.topics", "needs absolute topic names")
+        if not o.topics or any(topic_problem(t) for t in o.topics):
+            raise bad("output.topics", f"needs topic names, got {list(o.topics)}")
         if o.joint_slices and len(o.joint_slices) != len(o.topics):
             raise bad("output.joint_slices", "one slice per output topic")
         if o.kind == "interbotix_joint_group" and len(o.groups) != len(o.topics):
@@ -200,8 +209,8 @@ class RobotProfile:
                 raise bad("output.single_topics", "single-joint commands exist for interbotix_joint_group output only")
             if not (len(o.single_names) == len(o.single_joints) == len(o.single_topics)):
                 raise bad("output.single_names/single_joints", "one joint name and one action index per single topic")
-            if any(not t.startswith("/") for t in o.single_topics):
-                raise bad("output.single_topics", "needs absolute topic names")
+            if any(topic_problem(t) for t in o.single_topics):
+                raise bad("output.single_topics", f"needs topic names, got {list(o.single_topics)}")
             if any(not isinstance(j, int) or not 0 <= j < n for j in o.single_joints):
                 raise bad("output.single_joints", f"action indices must be in [0, {n})")
         if o.gripper_kind:

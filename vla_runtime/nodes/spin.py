@@ -85,6 +85,17 @@ def spin_until_shutdown(spin: Callable[[], None], context_ok: Callable[[], bool]
         pass
 
 
+SPIN_WAKE_S = 0.2   # the longest a Ctrl-C waits to be noticed by an idle node
+
+
+def spin_interruptibly(executor: Any, context_ok: Callable[[], bool]) -> None:
+    """``executor.spin()``, but back in Python at least every ``SPIN_WAKE_S``: without rclpy's
+    signal handler a Ctrl-C is only raised when the interpreter runs, and a node with nothing to
+    do (a simulated clock that stopped, no messages) would otherwise wait in C for ever."""
+    while context_ok():
+        executor.spin_once(timeout_sec=SPIN_WAKE_S)
+
+
 def _interrupt(signum: int, _frame: Any) -> None:
     """SIGTERM (a launcher's second request) ends the spin as Ctrl-C does."""
     raise KeyboardInterrupt(f"signal {signum}")
@@ -138,7 +149,8 @@ def run(make_node: Callable[[], object], name: str, threads: int = 1, args: list
     executor = MultiThreadedExecutor(num_threads=threads) if threads > 1 else SingleThreadedExecutor()
     executor.add_node(node)
     try:
-        spin_until_shutdown(executor.spin, rclpy.ok, (RCLError, ExternalShutdownException))
+        spin_until_shutdown(lambda: spin_interruptibly(executor, rclpy.ok), rclpy.ok,
+                            (RCLError, ExternalShutdownException))
     finally:
         ignore_sigint()
         node.destroy_node()        # waits for the callbacks in flight (CallbackGate), then the rings

@@ -95,6 +95,13 @@ class RingNames:
     working_set: str = DEFAULT_WORKING_SET
 
     @classmethod
+    def for_namespace(cls, namespace: str) -> "RingNames":
+        """The default names of a node in ``namespace``: the plain defaults in the root namespace,
+        else suffixed with it (``/robot1/left`` -> ``vla_prefix_robot1_left``)."""
+        tag = namespace.strip("/").replace("/", "_")
+        return cls() if not tag else cls(f"{DEFAULT_RING}_{tag}", f"{DEFAULT_WORKING_SET}_{tag}")
+
+    @classmethod
     def tagged(cls, tag: str) -> "RingNames":
         """A private set for one run of a tool (``<tag>_prefix``, ``<tag>_refs``)."""
         return cls(f"{tag}_prefix", f"{tag}_refs")

@@ -44,7 +44,7 @@ class VisionNode(Node):
                              role="vision",
                              control_hz=self.profile.control_hz)
         cache = self.profile.cache if self.profile.cache.enabled else None
-        self.stage = VisionStage(policy, ring_names(v), int(v["ring_slots"]), cache, self.profile.arm_slices)
+        self.stage = VisionStage(policy, ring_names(v, self.get_namespace()), int(v["ring_slots"]), cache, self.profile.arm_slices)
         self.feeds = {c.name: CameraFeed(c.name) for c in self.profile.cameras}
         self.refused_images = 0
         self.refused_requests = 0
@@ -79,15 +79,17 @@ class VisionNode(Node):
         self.get_logger().warning(what, throttle_duration_sec=2.0)
 
     def _on_image(self, cam, msg) -> None:
-        stamp = stamp_ns(msg)
+        stamp, now = stamp_ns(msg), self.get_clock().now().nanoseconds
+        if now == 0:   # use_sim_time before the first /clock: no time to judge the frame against yet
+            return
 
         def accept():   # a new frame only: a repeated stamp is counted before its age is judged, so
             #             a frozen driver is reported as frozen rather than as sending old frames
-            self._stamps().check(stamp, self.get_clock().now().nanoseconds, f"camera {cam.name!r}")
+            self._stamps().check(stamp, now, f"camera {cam.name!r}")
             return image_from_msg(msg, cam.compressed, cam.name)
 
         try:
-            self.feeds[cam.name].offer(stamp, self.get_clock().now().nanoseconds, accept)
+            self.feeds[cam.name].offer(stamp, now, accept)
         except InputError as e:
             self.refused_images += 1
             self._refuse(f"image refused: {e}")
