@@ -23,7 +23,7 @@ import sys
 import time
 
 from vla_runtime.testing.netns import assert_only_loopback
-from vla_runtime.testing.scenarios import rgb_image
+from vla_runtime.testing.scenarios import rgb_image, spin_until
 
 NODES = ("cache_manager_node", "vision_node", "policy_node")
 
@@ -96,23 +96,15 @@ def run(spec: dict) -> int:
 
     node.create_timer(0.05, publish)
 
-    def spin_until(pred, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            rclpy.spin_once(node, timeout_sec=0.05)
-            if pred():
-                return True
-        return False
-
     def policy(ns: str, key: str) -> str:
         return diag.get(f"/{ns}/vla_runtime: policy", {}).get(key, "")
 
     procs = {(ns, n): start_node(n, ns, spec) for ns in namespaces for n in NODES}
     report: dict = {}
     try:
-        report["served"] = spin_until(lambda: all(len(got[ns]["trajectories"]) >= 3 for ns in namespaces),
+        report["served"] = spin_until(node, lambda: all(len(got[ns]["trajectories"]) >= 3 for ns in namespaces),
                                       spec["timeout"] * 8)
-        spin_until(lambda: all(policy(ns, "task") for ns in namespaces), spec["timeout"])
+        spin_until(node, lambda: all(policy(ns, "task") for ns in namespaces), spec["timeout"])
         report["rings"] = sorted(f for f in os.listdir("/dev/shm") if f.startswith(("vla_prefix", "vla_refs")))
         report["tasks"] = {ns: policy(ns, "task") for ns in namespaces}
         report["refused_joint_states"] = {ns: policy(ns, "refused_joint_states") for ns in namespaces}

@@ -26,7 +26,7 @@ import sys
 import time
 
 from vla_runtime.testing.netns import assert_only_loopback
-from vla_runtime.testing.scenarios import rgb_image
+from vla_runtime.testing.scenarios import rgb_image, spin_until
 
 NODES = ("cache_manager_node", "vision_node", "policy_node")
 
@@ -101,31 +101,23 @@ def run(spec: dict) -> int:
 
     node.create_timer(0.05, publish)
 
-    def spin_until(pred, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            rclpy.spin_once(node, timeout_sec=0.05)
-            if pred():
-                return True
-        return False
-
     def policy(key: str) -> str:
         return diag.get("vla_runtime: policy", {}).get(key, "")
 
     procs = {n: start_node(n, spec) for n in NODES}
     try:
-        report["served_on_latched_instruction"] = spin_until(lambda: len(trajectories) > 0, spec["timeout"] * 6)
-        report["task"] = policy("task") if spin_until(lambda: policy("task") != "", spec["timeout"]) else ""
+        report["served_on_latched_instruction"] = spin_until(node, lambda: len(trajectories) > 0, spec["timeout"] * 6)
+        report["task"] = policy("task") if spin_until(node, lambda: policy("task") != "", spec["timeout"]) else ""
         far["on"] = True
-        report["implausible"] = policy("last_implausible") if spin_until(
+        report["implausible"] = policy("last_implausible") if spin_until(node,
             lambda: int(policy("implausible_joint_states") or 0) > 0, spec["timeout"]) else ""
         far["on"] = False
         far["bad_instruction"] = True
-        report["control_character"] = policy("last_refusal") if spin_until(
+        report["control_character"] = policy("last_refusal") if spin_until(node,
             lambda: int(policy("refused_instructions") or 0) > 0, spec["timeout"]) else ""
         far["bad_instruction"] = False
         n_traj = len(trajectories)
-        report["served_after"] = spin_until(lambda: len(trajectories) > n_traj, spec["timeout"] * 3)
+        report["served_after"] = spin_until(node, lambda: len(trajectories) > n_traj, spec["timeout"] * 3)
         report["task_after"] = policy("task")
         report["alive_before_sigint"] = {n: p.poll() is None for n, p in procs.items()}
     finally:
