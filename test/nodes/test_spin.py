@@ -145,3 +145,21 @@ def test_the_spin_comes_back_to_python_while_idle():
         spin_interruptibly(ex, lambda: True)
     assert ex.timeouts == [SPIN_WAKE_S] * 3 and 0 < SPIN_WAKE_S <= 0.5
     assert spin_interruptibly(Executor(), lambda: False) is None      # context down: returns
+
+
+def test_a_stop_request_ends_the_spin_at_its_next_wake_up():
+    """SIGINT / SIGTERM only set the request (no exception inside rclpy's executor); the loop
+    ends after the spin_once in progress."""
+    from vla_runtime.nodes.spin import StopRequest, spin_interruptibly
+
+    stop = StopRequest()
+    calls = []
+
+    class Executor:
+        def spin_once(self, timeout_sec=None):
+            calls.append(timeout_sec)
+            if len(calls) == 2:
+                stop(signal.SIGINT, None)     # what the handler does on Ctrl-C
+
+    spin_interruptibly(Executor(), lambda: not stop.requested)
+    assert stop.requested and len(calls) == 2

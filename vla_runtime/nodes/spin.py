@@ -1,6 +1,6 @@
 """The entry point every node shares: init, spin, clean shutdown (also on Ctrl-C).
 
-Ctrl-C ends ``spin`` in the main thread, but a multi-threaded executor's worker may still be in
+Ctrl-C (or SIGTERM) asks the spin loop to end (``StopRequest``), but an executor worker may still be in
 a callback: encoding into a ring, or waiting for the cache manager's answer. ``CallbackGate``
 lets ``destroy_node`` stop new callbacks, wake the waiting ones and wait for the ones in flight
 before it unmaps the rings they write to (closing a ring under a running call would fault, and
@@ -85,20 +85,31 @@ def spin_until_shutdown(spin: Callable[[], None], context_ok: Callable[[], bool]
         pass
 
 
-SPIN_WAKE_S = 0.2   # the longest a Ctrl-C waits to be noticed by an idle node
+SPIN_WAKE_S = 0.2   # the longest a stop request waits to be noticed by an idle node
 
 
-def spin_interruptibly(executor: Any, context_ok: Callable[[], bool]) -> None:
-    """``executor.spin()``, but back in Python at least every ``SPIN_WAKE_S``: without rclpy's
-    signal handler a Ctrl-C is only raised when the interpreter runs, and a node with nothing to
-    do (a simulated clock that stopped, no messages) would otherwise wait in C for ever."""
-    while context_ok():
+class StopRequest:
+    """The SIGINT / SIGTERM handler of a node: it only records the request (an exception raised
+    at an arbitrary point inside rclpy's executor could be swallowed there, or leave its state
+    half-changed); the spin loop sees it at its next wake-up and ends."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def __call__(self, _signum: int = 0, _frame: Any = None) -> None:
+        self._event.set()
+
+    @property
+    def requested(self) -> bool:
+        return self._event.is_set()
+
+
+def spin_interruptibly(executor: Any, keep_going: Callable[[], bool]) -> None:
+    """``executor.spin()`` while ``keep_going()``, back in Python at least every ``SPIN_WAKE_S``:
+    a node with nothing to do (a simulated clock that stopped, no messages) would otherwise wait
+    in C for ever and never see a stop request."""
+    while keep_going():
         executor.spin_once(timeout_sec=SPIN_WAKE_S)
-
-
-def _interrupt(signum: int, _frame: Any) -> None:
-    """SIGTERM (a launcher's second request) ends the spin as Ctrl-C does."""
-    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def ignore_sigint() -> None:
@@ -137,9 +148,11 @@ def run(make_node: Callable[[], object], name: str, threads: int = 1, args: list
 
     # rclpy's own SIGINT handler shuts the context down at once, under the callbacks still running
     # in the executor's threads (their publish then fails: "publisher's context is invalid"). Here
-    # Ctrl-C (and SIGTERM) only ends the spin; the context goes down last, after the node.
+    # Ctrl-C (and SIGTERM) only asks the spin loop to end; the context goes down last, after the node.
     rclpy.init(args=args, signal_handler_options=SignalHandlerOptions.NO)
-    signal.signal(signal.SIGTERM, _interrupt)
+    stop = StopRequest()
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
     try:
         node = make_node()
     except (Exception, KeyboardInterrupt) as e:   # noqa: BLE001 - every reason is reported the same way
@@ -149,8 +162,8 @@ def run(make_node: Callable[[], object], name: str, threads: int = 1, args: list
     executor = MultiThreadedExecutor(num_threads=threads) if threads > 1 else SingleThreadedExecutor()
     executor.add_node(node)
     try:
-        spin_until_shutdown(lambda: spin_interruptibly(executor, rclpy.ok), rclpy.ok,
-                            (RCLError, ExternalShutdownException))
+        spin_until_shutdown(lambda: spin_interruptibly(executor, lambda: rclpy.ok() and not stop.requested),
+                            rclpy.ok, (RCLError, ExternalShutdownException))
     finally:
         ignore_sigint()
         node.destroy_node()        # waits for the callbacks in flight (CallbackGate), then the rings
