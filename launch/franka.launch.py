@@ -1,7 +1,10 @@
-"""ros2 launch vla_runtime franka.launch.py [checkpoint:=DIR] [profile:=YAML]
+"""ros2 launch vla_runtime franka.launch.py [checkpoint:=DIR] [device:=auto|cpu|cuda[:N]] [dtype:=...] [cache:=on|off]
+[namespace:=NS] [use_sim_time:=true] [log_level:=LEVEL] [profile:=YAML]
 
-The vision and policy nodes with the franka robot profile (config/franka.yaml); everything
-robot-specific lives in the profile (see vla_runtime/nodes/launching.py).
+The three nodes of the pipeline (vision, policy and cache manager) with the franka robot profile
+(config/franka.yaml). Everything robot-specific lives in the profile; the arguments and what each
+node receives are declared once in vla_runtime/nodes/launching.py. A node that cannot start
+prints one line saying why, and the launch stops the others and exits non-zero.
 """
 
 from vla_runtime.nodes.launching import describe

@@ -18,7 +18,7 @@ from rosbags.rosbag2 import Reader
 
 from vla_runtime.cli import main
 from vla_runtime.commands.replay import (ACTION_CHUNK_TOPIC, ACTION_CHUNK_TYPE, DIAGNOSTICS_TOPIC, DIAGNOSTICS_TYPE,
-                                      LATENCY_TOPIC, PHASE_LATENCY_TYPE,
+                                      LATENCY_TOPIC, PHASE_LATENCY_TYPE, RAW_CHUNK_TOPIC,
                                       read_action_chunks, read_replay_provenance,
                                       runtime_typestore)
 
@@ -82,8 +82,8 @@ def test_output_bag_holds_one_chunk_latency_and_diagnostics_per_call(tmp_path: P
     store = runtime_typestore()
     with Reader(out) as reader:
         topics = {c.topic: (c.msgtype, c.msgcount) for c in reader.connections}
-        assert topics == {ACTION_CHUNK_TOPIC: (ACTION_CHUNK_TYPE, 2), LATENCY_TOPIC: (PHASE_LATENCY_TYPE, 2),
-                          DIAGNOSTICS_TOPIC: (DIAGNOSTICS_TYPE, 2)}
+        assert topics == {ACTION_CHUNK_TOPIC: (ACTION_CHUNK_TYPE, 2), RAW_CHUNK_TOPIC: (ACTION_CHUNK_TYPE, 2),
+                          LATENCY_TOPIC: (PHASE_LATENCY_TYPE, 2), DIAGNOSTICS_TOPIC: (DIAGNOSTICS_TYPE, 2)}
         msgs = [(c.topic, ns, store.deserialize_cdr(raw, c.msgtype)) for c, ns, raw in reader.messages()]
         start = reader.start_time
     chunks = [(ns, m) for topic, ns, m in msgs if topic == ACTION_CHUNK_TOPIC]
@@ -112,6 +112,31 @@ def test_output_bag_holds_one_chunk_latency_and_diagnostics_per_call(tmp_path: P
     assert read_replay_provenance(out)["seed"] == "0"
     # The reader used for goldens reads sqlite3 output like the committed mcap golden.
     assert [c.actions.shape for c in read_action_chunks(out)] == [(10, 7), (10, 7)]
+
+
+def test_published_chunks_are_clamped_to_the_joint_limits_as_the_node_does_and_the_raw_ones_kept(
+        tmp_path: Path, checkpoint: Path, capsys):
+    """Limits narrowed around zero, so that the random demo policy's actions cross them: the
+    chunk on /vla_runtime/action_chunk is the raw chunk clipped into the limits (the policy
+    node's ``within_limits``), the raw one stays on /vla_runtime/action_chunk_raw, and the
+    golden comparison reads the raw ones."""
+    d = yaml.safe_load(PROFILE.read_text())
+    n = len(d["joint_names"])
+    d["joint_lower"], d["joint_upper"] = [-1e-3] * n, [1e-3] * n
+    (tmp_path / "narrow.yaml").write_text(yaml.safe_dump(d))
+    rc, out = _replay(tmp_path, "--checkpoint", str(checkpoint), profile=tmp_path / "narrow.yaml")
+    assert rc == 0, capsys.readouterr().err
+    capsys.readouterr()
+    published, raw = read_action_chunks(out), read_action_chunks(out, raw=True)
+    assert [c.call_id for c in published] == [c.call_id for c in raw] == [0, 1]
+    for p, r in zip(published, raw):
+        assert np.array_equal(p.actions, np.clip(r.actions, -1e-3, 1e-3))
+        assert (np.abs(r.actions) > 1e-3).any()       # the limits did bite: the two differ
+    # against its own output as the golden: the raw chunks are compared, so no drift
+    rc, _ = _replay(tmp_path, "--checkpoint", str(checkpoint), "--golden", str(out), "--tolerance", "0",
+                    out=tmp_path / "again", profile=tmp_path / "narrow.yaml")
+    assert rc == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out)["max_abs_diff"] == 0.0
 
 
 def _perturbed(checkpoint: Path, dest: Path) -> Path:
@@ -155,8 +180,9 @@ def test_refuses_an_existing_output_unless_overwrite(tmp_path: Path, checkpoint:
     shutil.rmtree(out)
     assert _replay(tmp_path, "--checkpoint", str(checkpoint), out=out)[0] == 0
     assert _replay(tmp_path, "--checkpoint", str(checkpoint), "--overwrite", "--storage", "mcap", out=out)[0] == 0
+    # two calls: a published and a raw chunk, a latency and a diagnostics status each
     with Reader(out) as reader:
-        assert reader.message_count == 6 and next(out.glob("*.mcap"), None) is not None
+        assert reader.message_count == 8 and next(out.glob("*.mcap"), None) is not None
 
 
 def _profile(tmp_path: Path, **changes) -> Path:

@@ -1,16 +1,22 @@
 """Static checks of the launch files (launch_ros is not on PyPI, so CI cannot run `ros2 launch`):
 every executable they start is installed by CMakeLists.txt and exists in scripts/, every
-parameter they pass is declared by that node, and every profile they name loads."""
+parameter they pass is declared by that node, and every profile they name loads. Then each
+launch file's ``generate_launch_description`` runs against recording stand-ins of the launch
+classes: every launch argument is declared and reaches every node (as a parameter of its name,
+the namespace or the log level), and a node's exit stops the launch, non-zero after a failure."""
 
 from __future__ import annotations
 
 import ast
-import re
+import importlib.util
+import sys
+import types
 from pathlib import Path
 
 import pytest
 
-from vla_runtime.nodes.launching import NODES, PARAMETERS
+from vla_runtime.nodes.launching import ARGUMENTS, NODES, PARAMETERS, LaunchFailure
+from vla_runtime.nodes.spin import START_FAILED
 from vla_runtime.nodes.profile import load_profile
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,3 +69,90 @@ def test_launch_file_refers_only_to_what_exists(path: Path):
 def test_every_robot_profile_has_a_launch_file():
     profiles = {p.stem for p in (ROOT / "config").glob("*.yaml")}
     assert profiles == {p.name.removesuffix(".launch.py") for p in LAUNCH}
+
+
+class Recorded:
+    """Stand-in for a launch class: keeps its constructor arguments."""
+
+    def __init__(self, *args, **kwargs):
+        self.args, self.kwargs = args, kwargs
+
+
+def _stand_ins(monkeypatch) -> dict[str, type]:
+    """Modules launch / launch_ros with recording classes of the names launching.describe uses."""
+    names = {"launch": ["LaunchDescription"], "launch.actions": ["DeclareLaunchArgument", "Shutdown"],
+             "launch.substitutions": ["LaunchConfiguration", "PathJoinSubstitution"],
+             "launch_ros.actions": ["Node"], "launch_ros.parameter_descriptions": ["ParameterValue"],
+             "launch_ros.substitutions": ["FindPackageShare"]}
+    classes = {}
+    for module, members in names.items():
+        mod = types.ModuleType(module)
+        for m in members:
+            classes[m] = type(m, (Recorded,), {})
+            setattr(mod, m, classes[m])
+        monkeypatch.setitem(sys.modules, module, mod)
+    for pkg in ("launch", "launch_ros"):
+        if pkg not in names:
+            monkeypatch.setitem(sys.modules, pkg, types.ModuleType(pkg))
+        sys.modules[pkg].__path__ = []   # a package, so that its submodules import
+    return classes
+
+
+def _described(path: Path, monkeypatch):
+    spec = importlib.util.spec_from_file_location(path.stem.replace(".", "_"), path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.generate_launch_description()
+
+
+def _config_name(sub) -> str:
+    assert type(sub).__name__ == "LaunchConfiguration", sub
+    return sub.args[0]
+
+
+@pytest.mark.parametrize("path", LAUNCH, ids=lambda p: p.name)
+def test_every_launch_argument_is_declared_and_reaches_every_node(path: Path, monkeypatch):
+    cls = _stand_ins(monkeypatch)
+    entities = _described(path, monkeypatch).args[0]
+    declared = {e.args[0]: e.kwargs for e in entities if isinstance(e, cls["DeclareLaunchArgument"])}
+    assert set(declared) == {a.name for a in ARGUMENTS} >= {"profile", "checkpoint", "device", "dtype", "cache",
+                                                            "namespace", "use_sim_time", "log_level"}
+    assert declared["device"]["default_value"] == "auto" and declared["use_sim_time"]["default_value"] == "false"
+    profile = declared["profile"]["default_value"]
+    assert profile.args[0][1:] == ["config", path.name.removesuffix(".launch.py") + ".yaml"]
+    nodes = [e for e in entities if isinstance(e, cls["Node"])]
+    assert sorted((n.kwargs["executable"], n.kwargs["name"]) for n in nodes) == sorted(NODES)
+    for n in nodes:
+        k = n.kwargs
+        assert _config_name(k["namespace"]) == "namespace"
+        assert k["ros_arguments"][0] == "--log-level" and _config_name(k["ros_arguments"][1]) == "log_level"
+        (params,) = k["parameters"]
+        # every parameter argument reaches the node under its own name, typed (launch_ros would read
+        # "on"/"off" as YAML booleans without value_type)
+        typed = {name: (_config_name(v.args[0]), v.kwargs["value_type"]) for name, v in params.items()}
+        assert typed == {**{p: (p, str) for p in PARAMETERS}, "use_sim_time": ("use_sim_time", bool)}
+
+
+class _Exit:
+    def __init__(self, returncode: int):
+        self.returncode = returncode
+
+
+class _Context:
+    def __init__(self, shutting_down: bool):
+        self.is_shutdown = shutting_down
+
+
+@pytest.mark.parametrize("path", LAUNCH[:1], ids=lambda p: p.name)
+def test_a_node_that_exits_stops_the_launch_non_zero_after_a_failure(path: Path, monkeypatch):
+    cls = _stand_ins(monkeypatch)
+    nodes = [e for e in _described(path, monkeypatch).args[0] if isinstance(e, cls["Node"])]
+    for n in nodes:
+        on_exit, name = n.kwargs["on_exit"], n.kwargs["name"]
+        with pytest.raises(LaunchFailure, match=f"{name} stopped: it could not start"):
+            on_exit(_Exit(START_FAILED), _Context(False))
+        with pytest.raises(LaunchFailure, match=f"{name} stopped: exit status -9"):
+            on_exit(_Exit(-9), _Context(False))      # killed: the launch does not carry on with two nodes
+        (shutdown,) = on_exit(_Exit(0), _Context(False))
+        assert isinstance(shutdown, cls["Shutdown"]) and shutdown.kwargs["reason"] == f"{name} exited"
+        assert on_exit(_Exit(-2), _Context(True)) is None   # Ctrl-C: the launch is stopping them anyway

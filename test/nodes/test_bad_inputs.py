@@ -271,8 +271,10 @@ def test_empty_instruction_is_ignored(text):
 def test_over_long_or_control_character_instruction_is_refused():
     with pytest.raises(InputError, match="1001 characters refused"):
         instruction_from_msg(NS(data="x" * 1001))
-    with pytest.raises(InputError, match="control characters"):
+    with pytest.raises(InputError, match=r"control characters refused \(U\+0000 at 4\): the current task continues"):
         instruction_from_msg(NS(data="pick\x00up"))
+    with pytest.raises(InputError, match=r"\(U\+0007 at 0, U\+001B at 5\)"):
+        instruction_from_msg(NS(data="\x07pick\x1bup"))
     assert instruction_from_msg(NS(data="  pick up the cube \n")) == "pick up the cube"
 
 
@@ -495,7 +497,7 @@ def test_chunk_of_the_wrong_shape_is_not_executed():
     (P.VISION, "frozen_after", 1, r"must be 0 or in \[2, 100000\]"),
     (P.VISION, "max_image_age_s", -0.5, r"must be in \[0, 3600\]"),
     (P.CACHE_MANAGER, "time_available_s", -1.0, r"must be in \[0, 3600\]"),
-    (P.CACHE_MANAGER, "working_set", "", "non-empty"),
+    (P.CACHE_MANAGER, "working_set", "x" * 201, "at most 200 characters"),   # "": derived from the namespace
 ])
 def test_parameter_out_of_range_at_start_up_is_refused(table, name, value, why):
     problems = P.check_values(table, {name: value})

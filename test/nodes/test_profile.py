@@ -30,7 +30,7 @@ def _sim() -> dict:
     (lambda d: d.update(contol_hz=50), r"unknown key\(s\) \['contol_hz'\]"),
     (lambda d: d["streaming"].update(predictor="magic"), "streaming.predictor"),
     (lambda d: d["streaming"]["stitch"].update(mode="teleport"), "streaming.stitch"),
-    (lambda d: d["cameras"]["top"].update(topic="cameras/top"), "absolute topic"),
+    (lambda d: d["cameras"]["top"].update(topic="cameras top"), "must be a topic name"),
     (lambda d: d.update(cache={"enabled": True}), "cache.repository"),
     (lambda d: d["output"].update(kind="ros1"), "output.kind"),
     (lambda d: d.update(arm_slices=[[0, 9]]), "arm_slices"),
@@ -136,3 +136,116 @@ def test_norm_asset_reaches_the_engine_spec():
     d = _sim()
     d["engine"]["norm_asset"] = "physical-intelligence/libero"
     assert profile_from_dict(d, "sim").engine.norm_asset == "physical-intelligence/libero"
+
+
+def test_relative_paths_are_found_from_the_profile_never_the_working_directory(tmp_path, monkeypatch):
+    """Next to the profile first; for a profile in a config/ folder, in the folder above it (the
+    package: source tree or install share); the working directory plays no part."""
+    pkg = tmp_path / "pkg"
+    (pkg / "config").mkdir(parents=True)
+    (pkg / "checkpoints" / "c").mkdir(parents=True)
+    (pkg / "config" / "near").mkdir()
+    d = _sim()
+    d["engine"]["checkpoint"] = "checkpoints/c"
+    d["cache"] = {"enabled": False, "repository": "near"}
+    (pkg / "config" / "p.yaml").write_text(yaml.safe_dump(d))
+    monkeypatch.chdir(tmp_path)
+    p = load_profile("pkg/config/p.yaml")
+    assert p.engine.checkpoint == str(pkg / "checkpoints" / "c")       # the package's
+    assert p.cache.repository == str(pkg / "config" / "near")           # next to the profile
+    d["engine"]["checkpoint"] = "missing"
+    (tmp_path / "q.yaml").write_text(yaml.safe_dump(d))
+    assert load_profile(tmp_path / "q.yaml").engine.checkpoint == str(tmp_path / "missing")   # named, not found
+    d["engine"]["checkpoint"] = str(tmp_path / "abs")
+    (tmp_path / "q.yaml").write_text(yaml.safe_dump(d))
+    assert load_profile(tmp_path / "q.yaml").engine.checkpoint == str(tmp_path / "abs")
+
+
+def test_stock_profiles_start_where_they_run():
+    """No stock profile insists on CUDA or on an architecture the checkpoint must be; the ALOHA
+    profile's bundled checkpoint is found from the profile and fits it (cameras, 14 joints)."""
+    from vla_runtime.nodes.profile import EngineSpec
+    from vla_runtime.nodes.stages import load_policy
+
+    for name in ("aloha", "franka", "sim"):
+        e = load_profile(CONFIG / f"{name}.yaml").engine
+        assert e.device in ("auto", "cpu") and e.preset is None, (name, e)
+    aloha = load_profile(CONFIG / "aloha.yaml")
+    policy = load_policy(aloha.engine.checkpoint, EngineSpec(device="cpu", share_weights=False),
+                         [c.name for c in aloha.cameras], aloha.state_dim)
+    assert policy.state_dim == 14
+
+
+def _controller_joints(profile) -> dict[str, dict[str, list[str]]]:
+    """The controllers a profile documents (``controllers:``): command topic -> what it accepts."""
+    cfg = yaml.safe_load(Path(profile.controllers).read_text())
+    out = {}
+    if "controller_manager" in cfg:      # ros2_control
+        types = cfg["controller_manager"]["ros__parameters"]
+        for name, spec in types.items():
+            if isinstance(spec, dict):
+                joints = cfg[name]["ros__parameters"]["joints"]
+                kind = spec["type"].split("/")[0]
+                topic = {"joint_trajectory_controller": "joint_trajectory",
+                         "forward_command_controller": "commands"}[kind]
+                out[f"/{name}/{topic}"] = {"kind": kind, "joints": joints}
+    else:                                # Interbotix: robot -> groups and singles
+        for robot, spec in cfg.items():
+            for group, joints in spec["groups"].items():
+                out[f"/{robot}/commands/joint_group"] = {"kind": "group", "name": group, "joints": joints}
+            out[f"/{robot}/commands/joint_single"] = {"kind": "single", "names": spec["singles"]}
+    return out
+
+
+@pytest.mark.parametrize("name", ["aloha", "franka", "sim"])
+def test_every_output_carries_exactly_what_its_controller_owns(name):
+    """Each stock profile's outputs against the controller configuration it documents: a
+    trajectory topic carries exactly its controller's joints (joint_trajectory_controller refuses
+    any other), a gripper its finger joints, an Interbotix group as many values as its joints."""
+    import numpy as np
+
+    from vla_runtime.nodes.adapters import gripper_positions, group_commands, single_commands, trajectory_parts
+
+    p = load_profile(CONFIG / f"{name}.yaml")
+    ctl = _controller_joints(p)
+    o = p.output
+    actions = np.linspace(p.joint_lower, p.joint_upper, 5)
+    sent = set()
+    if o.kind == "joint_trajectory":
+        for i, joints, positions in trajectory_parts(o, p.joint_names, actions):
+            c = ctl[o.topics[i]]
+            assert c["kind"] == "joint_trajectory_controller" and sorted(joints) == sorted(c["joints"]), (joints, c)
+            assert positions.shape == (5, len(joints))
+            sent.update(joints)
+        if o.gripper_kind:
+            c = ctl[o.gripper_topic]
+            want = {"joint_trajectory": "joint_trajectory_controller", "float64_array": "forward_command_controller"}
+            assert c["kind"] == want[o.gripper_kind] and list(o.gripper_joint_names) == c["joints"], c
+            fingers = gripper_positions(o, actions)
+            assert np.allclose(fingers, actions[:, [o.gripper_joint]] * o.gripper_scale) and fingers.shape[1] == 2
+            sent.add(p.joint_names[o.gripper_joint])
+    else:
+        for cmd in group_commands(o, actions[0]):
+            c = ctl[o.topics[cmd.topic_index]]
+            assert cmd.name == c["name"] and len(cmd.values) == len(c["joints"])
+            a, b = o.joint_slices[cmd.topic_index]
+            names = p.joint_names[a:b]
+            assert all(n.endswith(j) for n, j in zip(names, c["joints"])), (names, c["joints"])
+            sent.update(names)
+        for cmd in single_commands(o, actions[0]):
+            assert cmd.name in ctl[o.single_topics[cmd.topic_index]]["names"]
+            sent.add(p.joint_names[o.single_joints[cmd.topic_index]])
+    assert sent == set(p.joint_names)     # every joint the policy acts on reaches a controller
+
+
+def test_franka_sends_the_arm_its_7_joints_and_the_gripper_its_fingers():
+    p = load_profile(CONFIG / "franka.yaml")
+    assert p.output.joint_slices == ((0, 7),) and p.output.gripper_joint == 7
+    assert p.joint_upper[7] * p.output.gripper_scale == pytest.approx(0.04)   # each finger at most 4 cm
+    d = yaml.safe_load((CONFIG / "franka.yaml").read_text())
+    d["output"]["joint_slices"] = [[0, 8]]
+    with pytest.raises(ProfileError, match="the gripper joint 7 also goes to an arm topic"):
+        profile_from_dict(d, "franka")
+    d["output"].update(joint_slices=[[0, 7]], gripper_kind="effort")
+    with pytest.raises(ProfileError, match="output.gripper_kind"):
+        profile_from_dict(d, "franka")

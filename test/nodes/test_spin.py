@@ -114,10 +114,52 @@ def test_ignore_sigint_survives_a_pending_interrupt(monkeypatch):
             raise KeyboardInterrupt
         return real(num, handler)
 
-    old = signal.getsignal(signal.SIGINT)
+    old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     monkeypatch.setattr(signal, "signal", flaky_signal)
     try:
         ignore_sigint()
-        assert calls == [signal.SIG_IGN, signal.SIG_IGN] and signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+        # retried after the interrupt; SIGTERM (a launcher's second request) is ignored as well
+        assert calls == [signal.SIG_IGN] * 3 and signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
     finally:
-        real(signal.SIGINT, old)
+        for s, handler in old.items():
+            real(s, handler)
+
+
+def test_the_spin_comes_back_to_python_while_idle():
+    """An idle node must still notice Ctrl-C: each wait is bounded, so the interpreter runs (and
+    raises the pending KeyboardInterrupt) at least every SPIN_WAKE_S."""
+    from vla_runtime.nodes.spin import SPIN_WAKE_S, spin_interruptibly
+
+    class Executor:
+        def __init__(self):
+            self.timeouts = []
+
+        def spin_once(self, timeout_sec=None):
+            self.timeouts.append(timeout_sec)
+            if len(self.timeouts) == 3:
+                raise KeyboardInterrupt   # what a pending Ctrl-C does once back in Python
+
+    ex = Executor()
+    with pytest.raises(KeyboardInterrupt):
+        spin_interruptibly(ex, lambda: True)
+    assert ex.timeouts == [SPIN_WAKE_S] * 3 and 0 < SPIN_WAKE_S <= 0.5
+    assert spin_interruptibly(Executor(), lambda: False) is None      # context down: returns
+
+
+def test_a_stop_request_ends_the_spin_at_its_next_wake_up():
+    """SIGINT / SIGTERM only set the request (no exception inside rclpy's executor); the loop
+    ends after the spin_once in progress."""
+    from vla_runtime.nodes.spin import StopRequest, spin_interruptibly
+
+    stop = StopRequest()
+    calls = []
+
+    class Executor:
+        def spin_once(self, timeout_sec=None):
+            calls.append(timeout_sec)
+            if len(calls) == 2:
+                stop(signal.SIGINT, None)     # what the handler does on Ctrl-C
+
+    spin_interruptibly(Executor(), lambda: not stop.requested)
+    assert stop.requested and len(calls) == 2

@@ -22,7 +22,7 @@ import sys
 import time
 
 from vla_runtime.testing.netns import assert_only_loopback
-from vla_runtime.testing.scenarios import rgb_image
+from vla_runtime.testing.scenarios import rgb_image, spin_until
 
 
 def start_node(name: str, spec: dict, *args: str) -> subprocess.Popen:
@@ -63,21 +63,13 @@ def run(spec: dict) -> int:
         requests.publish(PrefixRequest(request_seq=seq, start_tick=0, state=[float(x) for x in spec["state"]],
                                        task=spec["task"], episode=1))
 
-    def spin_until(pred, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            rclpy.spin_once(node, timeout_sec=0.05)
-            if pred():
-                return True
-        return False
-
     try:
         # 1. a normal call, asked again until the vision node (and the cache manager) have come up
         served = False
         deadline = time.monotonic() + spec["timeout"] * 3
         while not served and time.monotonic() < deadline:
             ask(1)
-            served = spin_until(lambda: bool(ready), 2.0)
+            served = spin_until(node, lambda: bool(ready), 2.0)
         report["first_served"] = served
         # quiet: the repeated first requests (sent while the nodes came up) have all been answered
         last = [len(ready), time.monotonic()]
@@ -86,12 +78,12 @@ def run(spec: dict) -> int:
             if len(ready) != last[0]:
                 last[:] = [len(ready), time.monotonic()]
             return time.monotonic() - last[1] > 1.5
-        report["quiet"] = spin_until(quiet, spec["timeout"])
+        report["quiet"] = spin_until(node, quiet, spec["timeout"])
         # 2. the cache manager freezes; the next call is served all the same
         cache.send_signal(signal.SIGSTOP)
         n_ready = len(ready)
         ask(2)
-        report["second_served_while_cache_manager_stopped"] = spin_until(lambda: len(ready) > n_ready,
+        report["second_served_while_cache_manager_stopped"] = spin_until(node, lambda: len(ready) > n_ready,
                                                                           spec["timeout"])
         t = time.monotonic()
         vision.send_signal(signal.SIGINT)

@@ -8,6 +8,7 @@ Needs install/ from `make ros` (make test builds it first) and root for `unshare
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -80,3 +81,30 @@ def test_two_processes_exchange_action_chunk_and_joint_state(env: dict[str, str]
         pytest.fail(f"exchange timed out; stderr:\n{exc.stderr}")
     assert out.returncode == 0, f"exchange failed ({out.returncode}):\n{out.stderr}"
     assert json.loads(out.stdout) == spec
+
+
+def test_env_script_puts_the_virtualenv_on_the_ament_path(tmp_path: Path) -> None:
+    """`source install/vla_runtime_env.bash` (written by `make ros`) is all a user needs: the
+    ament index then holds the wheels' packages (std_msgs: what `ros2 interface show
+    vla_runtime/msg/ActionChunk` resolves its header with) next to ours, as `ros2 pkg list` and
+    `ros2 interface show` read it. Sourced under `set -eu`, as a careful script would."""
+    script = INSTALL / "vla_runtime_env.bash"
+    assert script.is_file(), "install/vla_runtime_env.bash missing: rebuild with tools/ros/build.sh"
+    probe = ("from ament_index_python import get_packages_with_prefixes, get_resource; import json, sys; "
+             "p = get_packages_with_prefixes(); "
+             "print(json.dumps({'std_msgs': p.get('std_msgs'), 'vla_runtime': p.get('vla_runtime'), "
+             "'interfaces': get_resource('rosidl_interfaces', 'vla_runtime')[0].split(), "
+             "'header': 'msg/Header.msg' in get_resource('rosidl_interfaces', 'std_msgs')[0]}))")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AMENT", "COLCON", "ROS_"))}
+    env.pop("_ROS_WHEELS_BOOTSTRAP_COMPLETE", None)
+    out = subprocess.run(["bash", "-c", f'set -eu; source "{script}"; echo "$AMENT_PREFIX_PATH"; '
+                                        f'python3 -c "{probe}"'],
+                         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    path, report = out.stdout.strip().splitlines()[-2:]
+    prefixes = [Path(p).resolve() for p in path.split(":")]
+    assert Path(sys.prefix).resolve() in prefixes and (INSTALL / "vla_runtime").resolve() in prefixes, path
+    got = json.loads(report)
+    assert Path(got["std_msgs"]).resolve() == Path(sys.prefix).resolve(), got
+    assert Path(got["vla_runtime"]).resolve() == (INSTALL / "vla_runtime").resolve(), got
+    assert "msg/ActionChunk.msg" in got["interfaces"] and got["header"], got

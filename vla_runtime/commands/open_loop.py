@@ -218,7 +218,8 @@ def run_open_loop(spec: OpenLoopSpec, log: Callable[[str], None] = print) -> dic
             golden = spec.golden / ref.label
             if not golden.exists():
                 raise FileNotFoundError(f"the golden output {spec.golden} has no {ref.label}")
-            score.comparison = compare_chunks(results, read_action_chunks(golden, typestore), spec.tolerance, names)
+            score.comparison = compare_chunks(results, read_action_chunks(golden, typestore, raw=True), spec.tolerance,
+                                              names)
         dense = score.stats("dense", "robot").as_dict()
         log(f"[{k}/{len(refs)}] {ref.label}: {score.calls} calls, dense MAE {dense['mae']:.4g}"
             + (f", {score.hits} cached" if cache is not None else "")

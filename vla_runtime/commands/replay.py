@@ -20,7 +20,10 @@ warning, since the vision node, subscribed with the profile's type, would not re
 Replay has no plan to predict a state from, so every call is conditioned on the *observed* joint
 state. Chunks and per-call latencies go to an output bag (``vla_runtime/msg/ActionChunk`` and
 ``vla_runtime/msg/PhaseLatency``, stamped at the call's bag time), readable by ``ros2 bag`` and
-by rosbags.
+by rosbags. As the policy node does, the chunk on ``/vla_runtime/action_chunk`` is clamped to the
+profile's joint limits (what the robot would be sent); the model's raw chunk goes to
+``/vla_runtime/action_chunk_raw`` beside it, and the regression check compares raw chunks (a
+clamp would hide drift past a limit).
 
 Regression mode (``golden``) compares the chunks with those of a golden output bag made earlier:
 a model, kernel or preprocessing change that moves the actions by more than the tolerance is
@@ -47,6 +50,7 @@ from rosbags.typesys import Stores, get_types_from_msg, get_typestore
 from rosbags.typesys.store import Typestore
 
 from ..engine.policy import Observation, Pi05Policy
+from ..engine.safety import JointLimits
 from ..engine.timing import PhaseTimer
 from ..io.bags import (BAG_FORMAT_VERSION, COMPRESSED_IMAGE_TYPE, IMAGE_TYPE, Episode, Storage, profile_topics,
                        read_episode)
@@ -59,6 +63,7 @@ ACTION_CHUNK_TYPE = "vla_runtime/msg/ActionChunk"
 PHASE_LATENCY_TYPE = "vla_runtime/msg/PhaseLatency"
 #: The topics the policy node publishes on (chunks) and diagnostics use (latency).
 ACTION_CHUNK_TOPIC = "/vla_runtime/action_chunk"
+RAW_CHUNK_TOPIC = "/vla_runtime/action_chunk_raw"   # replay only: the chunk before the joint-limit clamp
 LATENCY_TOPIC = "/vla_runtime/latency"
 DIAGNOSTICS_TOPIC = "/diagnostics"
 DIAGNOSTICS_TYPE = "diagnostic_msgs/msg/DiagnosticArray"
@@ -162,8 +167,14 @@ class CallResult:
     call_id: int
     t: float                 # seconds since the input bag's first message
     stamp_ns: int            # the call's bag time (absolute, as in the input bag)
-    actions: np.ndarray      # [chunk_length, action_dim], robot units
+    actions: np.ndarray      # [chunk_length, action_dim], robot units, as the model gave them
     latency: dict[str, float]
+    clamped: np.ndarray | None = None   # ``actions`` within the profile's joint limits (None: no limits known)
+
+    @property
+    def published(self) -> np.ndarray:
+        """What the policy node would publish for this call."""
+        return self.actions if self.clamped is None else self.clamped
 
 
 @dataclass(frozen=True)
@@ -292,14 +303,15 @@ def _bag_start_ns(path: Path) -> int:
 
 
 def replay_episode(policy: Pi05Policy, episode: Episode, start_ns: int, seed: int, realtime: bool = False,
-                   log: Callable[[str], None] = print) -> list[CallResult]:
+                   log: Callable[[str], None] = print, limits: JointLimits | None = None) -> list[CallResult]:
     """Run one policy call per frame of ``episode`` through the vision and policy workers.
 
     The two workers share ``policy``: the policy worker copies the slot into the model's KV
     cache before denoising, so the prefill the vision worker left there is never relied on,
     exactly as across the nodes' process boundary. With ``realtime`` each call waits until its
     bag time has elapsed on the wall clock since the first call (a call that overruns is not
-    skipped, it just starts late, so the output stays the same as without ``realtime``).
+    skipped, it just starts late, so the output stays the same as without ``realtime``). With
+    ``limits`` each result also carries the chunk clamped to them, as the policy node publishes it.
     """
     vision, actor = VisionWorker(policy), PolicyWorker(policy)
     slot = PrefixSlotSpec.for_config(policy.engine.cfg, policy.engine.dtype).allocate()
@@ -321,7 +333,9 @@ def replay_episode(policy: Pi05Policy, episode: Episode, start_ns: int, seed: in
             with timer.phase("denoise"):
                 actions = actor.act(slot, meta, generator=gen)
         lat = {k: float(timer.times.seconds[k]) for k in LATENCY_PHASES}
-        results.append(CallResult(call_id=i, t=frame.t, stamp_ns=stamp_ns, actions=np.asarray(actions), latency=lat))
+        raw = np.asarray(actions)
+        results.append(CallResult(call_id=i, t=frame.t, stamp_ns=stamp_ns, actions=raw, latency=lat,
+                                  clamped=None if limits is None else limits.clamp(raw)))
         log(f"call {i} at t={frame.t:.3f}s: vision {lat['vision'] * 1e3:.1f} ms, prefill "
             f"{lat['prefill'] * 1e3:.1f} ms, denoise {lat['denoise'] * 1e3:.1f} ms")
     return results
@@ -365,6 +379,7 @@ def write_replay_bag(path: Path, calls: list[CallResult], joint_names: Sequence[
         writer.set_custom_data(CUSTOM_DATA_PREFIX + key, value)
     with writer:
         chunk_conn = writer.add_connection(ACTION_CHUNK_TOPIC, ACTION_CHUNK_TYPE, typestore=typestore)
+        raw_conn = writer.add_connection(RAW_CHUNK_TOPIC, ACTION_CHUNK_TYPE, typestore=typestore)
         lat_conn = writer.add_connection(LATENCY_TOPIC, PHASE_LATENCY_TYPE, typestore=typestore)
         diag_conn = writer.add_connection(DIAGNOSTICS_TOPIC, DIAGNOSTICS_TYPE, typestore=typestore)
         status_cls, kv_cls = t_["diagnostic_msgs/msg/DiagnosticStatus"], t_["diagnostic_msgs/msg/KeyValue"]
@@ -372,15 +387,17 @@ def write_replay_bag(path: Path, calls: list[CallResult], joint_names: Sequence[
             stamp = t_["builtin_interfaces/msg/Time"](sec=c.stamp_ns // 10**9, nanosec=c.stamp_ns % 10**9)
             header = t_["std_msgs/msg/Header"](stamp=stamp, frame_id="")
             rows, dim = c.actions.shape
-            chunk = chunk_cls(header=header, call_id=c.call_id, joint_names=list(joint_names),
-                              control_period=period, chunk_length=rows, action_dim=dim,
-                              actions=np.ascontiguousarray(c.actions, dtype=np.float64).reshape(-1),
-                              source="dense", observation_seq=c.call_id)
+            for conn, actions in ((chunk_conn, c.published), (raw_conn, c.actions)):
+                chunk = chunk_cls(header=header, call_id=c.call_id, joint_names=list(joint_names),
+                                  control_period=period, chunk_length=rows, action_dim=dim,
+                                  actions=np.ascontiguousarray(actions, dtype=np.float64).reshape(-1),
+                                  source="dense", observation_seq=c.call_id)
+                writer.write(conn, c.stamp_ns, typestore.serialize_cdr(chunk, ACTION_CHUNK_TYPE))
             lat = lat_cls(header=header, call_id=c.call_id, mode="dense", **c.latency)
-            writer.write(chunk_conn, c.stamp_ns, typestore.serialize_cdr(chunk, ACTION_CHUNK_TYPE))
             writer.write(lat_conn, c.stamp_ns, typestore.serialize_cdr(lat, PHASE_LATENCY_TYPE))
             # what the nodes report per call, so a replay bag opens in the same dashboards
             values = {"call_id": str(c.call_id), "source": "dense", "chunk_finite": str(bool(np.isfinite(c.actions).all())),
+                      "clamped_values": str(int((c.published != c.actions).sum())),
                       **{f"{k}_s": f"{v:.6f}" for k, v in c.latency.items()}}
             status = status_cls(level=0, name="vla_runtime: replay", message="ok", hardware_id=robot,
                                 values=[kv_cls(key=k, value=v) for k, v in values.items()])
@@ -388,21 +405,25 @@ def write_replay_bag(path: Path, calls: list[CallResult], joint_names: Sequence[
             writer.write(diag_conn, c.stamp_ns, typestore.serialize_cdr(diag, DIAGNOSTICS_TYPE))
 
 
-def read_action_chunks(path: str | Path, typestore: Typestore | None = None) -> list[GoldenChunk]:
-    """Every ``ActionChunk`` on ``/vla_runtime/action_chunk`` of a bag, in log-time order."""
+def read_action_chunks(path: str | Path, typestore: Typestore | None = None, raw: bool = False) -> list[GoldenChunk]:
+    """Every ``ActionChunk`` on ``/vla_runtime/action_chunk`` of a bag (as published: clamped to
+    the joint limits), in log-time order. ``raw``: the model's chunks before the clamp, from
+    ``/vla_runtime/action_chunk_raw``; a bag without that topic (written before replay clamped)
+    holds the raw chunks on ``/vla_runtime/action_chunk``, which are read instead."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no bag at {path}")
     typestore = runtime_typestore() if typestore is None else typestore
     reader = _open_reader(path)
     try:
-        conns = [c for c in reader.connections if c.topic == ACTION_CHUNK_TOPIC]
+        topics = {c.topic for c in reader.connections}
+        topic = RAW_CHUNK_TOPIC if raw and RAW_CHUNK_TOPIC in topics else ACTION_CHUNK_TOPIC
+        conns = [c for c in reader.connections if c.topic == topic]
         if not conns:
-            have = sorted({c.topic for c in reader.connections}) or "none"
-            raise ValueError(f"bag {path} has no {ACTION_CHUNK_TOPIC} topic; it has: {have}")
+            raise ValueError(f"bag {path} has no {topic} topic; it has: {sorted(topics) or 'none'}")
         wrong = sorted({c.msgtype for c in conns} - {ACTION_CHUNK_TYPE})
         if wrong:
-            raise ValueError(f"bag {path}: {ACTION_CHUNK_TOPIC} carries {wrong}, expected {ACTION_CHUNK_TYPE}")
+            raise ValueError(f"bag {path}: {topic} carries {wrong}, expected {ACTION_CHUNK_TYPE}")
         out = []
         for _, ns, raw in reader.messages(connections=conns):
             try:
@@ -519,12 +540,13 @@ def run_replay(spec: ReplaySpec, log: Callable[[str], None] = print) -> ReplayRe
     policy = Pi05Policy.from_checkpoint(checkpoint, camera_names=[c.name for c in profile.cameras])
     check_policy_matches_profile(policy, profile, checkpoint)
     episode = read_episode(spec.in_bag, topics, spec.call_period, state_dim=profile.state_dim)
-    golden = read_action_chunks(spec.golden, typestore) if spec.golden is not None else None
+    golden = read_action_chunks(spec.golden, typestore, raw=True) if spec.golden is not None else None
     golden_provenance = read_replay_provenance(spec.golden) if spec.golden is not None else {}
     log(f"replaying {spec.in_bag}: {len(episode.frames)} call(s) over {episode.duration:.2f}s "
         f"of bag time, checkpoint {checkpoint}")
 
-    calls = replay_episode(policy, episode, _bag_start_ns(spec.in_bag), spec.seed, spec.realtime, log)
+    calls = replay_episode(policy, episode, _bag_start_ns(spec.in_bag), spec.seed, spec.realtime, log,
+                           profile.joint_limits())
     _prepare_out(spec.out_bag, spec.overwrite)
     spec.out_bag.parent.mkdir(parents=True, exist_ok=True)
     provenance = {"checkpoint_hash": policy.checkpoint_hash or "", "seed": str(spec.seed),

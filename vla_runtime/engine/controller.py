@@ -154,5 +154,4 @@ class StreamingController:
 
     def within_limits(self, actions: np.ndarray) -> np.ndarray:
         """``actions`` [..., action_dim] clamped to the joint limits (what may be published)."""
-        lim = self.safety.limits
-        return np.clip(np.asarray(actions, dtype=np.float64), lim.lower, lim.upper)
+        return self.safety.limits.clamp(actions)

@@ -97,6 +97,10 @@ class JointLimits:
     def dim(self) -> int:
         return int(self.lower.shape[0])
 
+    def clamp(self, actions: np.ndarray) -> np.ndarray:
+        """``actions`` [..., dim] clamped into the position limits (what may be published)."""
+        return np.clip(np.asarray(actions, dtype=np.float64), self.lower, self.upper)
+
     def contains(self, action: np.ndarray) -> bool:
         a = np.asarray(action, dtype=np.float64)
         return bool(a.shape == self.lower.shape and np.isfinite(a).all()

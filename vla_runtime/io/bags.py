@@ -138,8 +138,13 @@ def profile_topics(profile: TopicProfile, outcome: str | None = None) -> BagTopi
     """Bag topics of a robot profile: its cameras in model order, all its joint-state topics with
     its joint names (so the state is assembled by name, as the policy node does), its instruction
     topic, and ``outcome`` (replay needs none; building a repository reads it when recorded)."""
-    return BagTopics(cameras={c.name: c.topic for c in profile.cameras}, joint_states=profile.joint_states_topics,
-                     instruction=profile.instruction_topic, outcome=outcome, joint_names=profile.joint_names)
+    # a relative profile topic (a namespaced robot's) is looked for as recorded in the root namespace
+    def bag(topic: str) -> str:
+        return topic if topic.startswith("/") else "/" + topic
+
+    return BagTopics(cameras={c.name: bag(c.topic) for c in profile.cameras},
+                     joint_states=tuple(bag(t) for t in profile.joint_states_topics),
+                     instruction=bag(profile.instruction_topic), outcome=outcome, joint_names=profile.joint_names)
 
 
 def _check_topic_name(topic: object, role: str) -> None:

@@ -23,7 +23,7 @@ from ..io.messages import InputError
 from .conversions import instruction_from_msg
 from .diagnostics import DIAGNOSTICS_TOPIC, diagnostic_array
 from .params import CACHE_MANAGER, declare_parameters, profile_and_checkpoint, ring_names
-from .prefix_ring import EPISODE_TOPIC, SELECTION_TOPIC
+from .prefix_ring import EPISODE_TOPIC, SELECTION_TOPIC, subscribe_instruction
 from .priority import background_priority
 from .spin import run
 from .stages import CacheStage, Selection, load_policy
@@ -38,17 +38,18 @@ class CacheManagerNode(Node):
         self.profile, ckpt = profile_and_checkpoint(v)
         prof = self.profile
         policy = load_policy(ckpt, self.profile.engine, [c.name for c in self.profile.cameras], prof.state_dim,
-                             role="cache")
+                             role="cache",
+                             control_hz=self.profile.control_hz)
         self.chunk_s = policy.engine.cfg.chunk_size / prof.control_hz
         self.time_available_s = float(v["time_available_s"]) or self.chunk_s
         self.last_upkeep_s = 0.0
         self.nice = background_priority(prof.cache.background_nice)
-        self.stage = CacheStage(policy, prof.cache, ring_names(v), prof.arm_slices)
+        self.stage = CacheStage(policy, prof.cache, ring_names(v, self.get_namespace()), prof.arm_slices)
         self.diag_pub = self.create_publisher(DiagnosticArray, DIAGNOSTICS_TOPIC, 10)
         self.create_subscription(ReferenceSelection, SELECTION_TOPIC, self._on_selection, 10)
         self.episode = 0   # counted from EPISODE_TOPIC as the policy node counts it (its requests carry it)
         self.create_subscription(Empty, EPISODE_TOPIC, self._on_episode_start, 10)
-        self.create_subscription(String, prof.instruction_topic, self._on_instruction, 10)
+        subscribe_instruction(self, prof.instruction_topic, self._on_instruction)   # latched or not
         self.create_timer(0.1, self.stage.heartbeat)
         self.create_timer(1.0, self._publish_diagnostics)
         state = f"on, fallback: {self.stage.fallback_rule}" if self.stage.enabled else \
@@ -113,7 +114,7 @@ class CacheManagerNode(Node):
 
 
 def main(args: list[str] | None = None) -> None:
-    run(CacheManagerNode, args=args)
+    run(CacheManagerNode, "vla_cache_manager", args=args)
 
 
 if __name__ == "__main__":

@@ -13,12 +13,13 @@ the same code.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..io.messages import InputError
+from ..io.messages import InputError, JointStateAssembler
 
 
 MAX_INSTRUCTION_CHARS = 1000
@@ -121,9 +122,36 @@ def instruction_from_msg(msg: Any) -> str:
         raise InputError("empty instruction ignored: the current task continues")
     if len(text) > MAX_INSTRUCTION_CHARS:
         raise InputError(f"instruction of {len(text)} characters refused (at most {MAX_INSTRUCTION_CHARS})")
-    if any(not c.isprintable() and c not in "\t\n" for c in text):
-        raise InputError("instruction with control characters refused")
+    bad = [(i, c) for i, c in enumerate(text) if not c.isprintable() and c not in "\t\n"]
+    if bad:
+        where = ", ".join(f"U+{ord(c):04X} at {i}" for i, c in bad[:3])
+        raise InputError(f"instruction with control characters refused ({where}): the current task continues. "
+                         "(A NUL never arrives: the publisher's own conversion ends the string there.)")
     return text
+
+
+IMPLAUSIBLE_MARGIN = 0.5   # of a joint's limit range, beyond either limit
+
+
+def implausible_joints(joints: JointStateAssembler, lower: Sequence[float], upper: Sequence[float]) -> list[str]:
+    """The joints whose (finite) position lies further outside the profile's limits than half
+    their range, as 'name = value (limits [lo, hi])': no arm gets there, so the reading is in
+    other units (degrees), of another joint, or garbage. A position just past a limit (a joint
+    resting on its stop, calibration offsets) is not reported: the safety filter handles it."""
+    out = []
+    for name, v, lo, hi in zip(joints.joint_names, joints.state, lower, upper):
+        margin = IMPLAUSIBLE_MARGIN * (hi - lo)
+        if math.isfinite(v) and not lo - margin <= v <= hi + margin:
+            out.append(f"{name} = {v:g} (limits [{lo:g}, {hi:g}])")
+    return out
+
+
+def points_passed(first_ns: int, period_s: float, now_ns: int, points: int) -> int:
+    """How many leading points of a plan whose point 0 is due at ``first_ns`` (one every
+    ``period_s``) are already due by ``now_ns``: a trajectory must not start in the past."""
+    if first_ns >= now_ns:
+        return 0
+    return min(points, math.ceil((now_ns - first_ns) / (period_s * 1e9)))
 
 
 def chunk_to_trajectory(actions: np.ndarray, joint_names: Sequence[str], first_action_time_ns: int, period_s: float,

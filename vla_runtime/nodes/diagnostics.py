@@ -8,10 +8,12 @@ DIAGNOSTICS_TOPIC = "/diagnostics"
 
 
 def diagnostic_array(node: Any, name: str, hardware_id: str, values: dict[str, str], warning: str = "") -> Any:
-    """One status: OK, or WARN with ``warning`` as its message; ``values`` become key/value pairs."""
+    """One status: OK, or WARN with ``warning`` as its message; ``values`` become key/value pairs.
+    A node in a namespace prefixes the status name with it (``/robot1/vla_runtime: policy``)."""
     from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 
-    status = DiagnosticStatus(name=name, hardware_id=hardware_id,
+    ns = node.get_namespace()   # /diagnostics is shared by every pipeline: say whose status this is
+    status = DiagnosticStatus(name=name if ns == "/" else f"{ns}/{name}", hardware_id=hardware_id,
                               level=DiagnosticStatus.WARN if warning else DiagnosticStatus.OK,
                               message=warning or "ok")
     status.values = [KeyValue(key=k, value=str(v)) for k, v in values.items()]

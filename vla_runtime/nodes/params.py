@@ -12,9 +12,10 @@ parameter) and at run time (the set is refused with the reason; the old value st
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
+from .devices import device_problem
 from .profile import RobotProfile, load_profile
 from .stages import RingNames
 
@@ -45,8 +46,24 @@ def ring_name(v: Any) -> str:
     return "" if ok else f"must be a non-empty shared-memory name without '/', at most 200 characters; got {v!r}"
 
 
+def ring_param(v: Any) -> str:
+    """A ring parameter: '' (derived from the node's namespace) or a name."""
+    return "" if v == "" else ring_name(v)
+
+
+def one_of(*choices: str) -> Callable[[Any], str]:
+    return lambda v: "" if v in choices else f"must be one of {list(choices)}, got {v!r}"
+
+
 PROFILE = Param("", "robot profile YAML (config/<robot>.yaml)")
 CHECKPOINT = Param("", "checkpoint directory; overrides the profile's engine.checkpoint")
+# Overrides of the profile, so that one profile starts on the machine at hand ('' keeps the profile's).
+DEVICE = Param("", "auto (CUDA when present, else CPU), cpu, cuda or cuda:N; overrides engine.device ('' keeps it)",
+               lambda v: "" if v == "" else device_problem(v))
+DTYPE = Param("", "float32, bfloat16 or float16; overrides engine.dtype ('' keeps it)",
+              one_of("", "float32", "bfloat16", "float16"))
+CACHE = Param("", "on or off: overrides cache.enabled ('' keeps it; on needs cache.repository)", one_of("", "on", "off"))
+OVERRIDES = {"device": DEVICE, "dtype": DTYPE, "cache": CACHE}
 MAX_INPUT_AGE = Param(1.0, "header stamps older than this (s) are refused; 0 turns the check off (run-time)",
                       in_range(0.0, 3600.0), dynamic=True)
 MAX_FUTURE = Param(0.5, "header stamps further ahead of this node's clock (s) are refused; 0 turns the check off "
@@ -55,9 +72,12 @@ MAX_FUTURE = Param(0.5, "header stamps further ahead of this node's clock (s) ar
 VISION = {
     "profile": PROFILE,
     "checkpoint": CHECKPOINT,
-    "ring": Param("vla_prefix", "name of the prefix ring buffer (shared memory) this node creates", ring_name),
-    "working_set": Param("vla_refs", "name of the cache manager's working-set ring buffer (reference selection "
-                                     "and the Context Cache read it)", ring_name),
+    **OVERRIDES,
+    "ring": Param("", "name of the prefix ring buffer (shared memory) this node creates; '' derives it from the "
+                      "namespace (vla_prefix, vla_prefix_<ns>)", ring_param),
+    "working_set": Param("", "name of the cache manager's working-set ring buffer (reference selection and the "
+                             "Context Cache read it); '' derives it from the namespace (vla_refs, vla_refs_<ns>)",
+                         ring_param),
     "ring_slots": Param(4, "slots in the prefix ring buffer, in [2, 64]", in_range(2, 64)),
     "max_image_age_s": Param(1.0, "a camera with no new frame for this long (s) is stale: calls are refused (the "
                                   "robot holds) until it sends again; 0 turns the check off (run-time)",
@@ -73,8 +93,9 @@ VISION = {
 POLICY = {
     "profile": PROFILE,
     "checkpoint": CHECKPOINT,
-    "working_set": Param("vla_refs", "name of the cache manager's working-set ring buffer (Action Cache masks)",
-                         ring_name),
+    **OVERRIDES,
+    "working_set": Param("", "name of the cache manager's working-set ring buffer (Action Cache masks); '' derives "
+                             "it from the namespace", ring_param),
     "seed": Param(0, "noise seed: call n uses seed * 1000003 + n (reproducible chunks); >= 0", in_range(0, 2**62)),
     "request_timeout_s": Param(2.0, "a prefix request unanswered this long is abandoned and asked again (lost "
                                     "message, vision node restarting); in (0, 600] (run-time)",
@@ -86,7 +107,9 @@ POLICY = {
 CACHE_MANAGER = {
     "profile": Param("", "robot profile YAML (config/<robot>.yaml); its cache section configures this node"),
     "checkpoint": CHECKPOINT,
-    "working_set": Param("vla_refs", "name of the working-set ring buffer this node creates", ring_name),
+    **OVERRIDES,
+    "working_set": Param("", "name of the working-set ring buffer this node creates; '' derives it from the "
+                             "namespace", ring_param),
     "time_available_s": Param(0.0, "rebuild budget per call for entries entering the window (rMuscle T_avl), "
                                    "seconds, in [0, 3600]; 0: one chunk's execution time (run-time)",
                               in_range(0.0, 3600.0), dynamic=True),
@@ -141,20 +164,33 @@ def declare_parameters(node: Any, table: dict[str, Param],
     return values
 
 
-def ring_names(values: dict[str, Any]) -> RingNames:
-    """The shared-memory names from a node's parameters (defaults where a node has no such parameter)."""
-    d = RingNames()
-    names = RingNames(values.get("ring", d.prefix), values.get("working_set", d.working_set))
+def ring_names(values: dict[str, Any], namespace: str = "/") -> RingNames:
+    """The shared-memory names from a node's parameters; those left '' (the default) are derived
+    from the node's namespace, so two pipelines in two namespaces never share a ring."""
+    d = RingNames.for_namespace(namespace)
+    names = RingNames(values.get("ring") or d.prefix, values.get("working_set") or d.working_set)
     for n in (names.prefix, names.working_set):
         if ring_name(n):
             raise ValueError(f"ring names must be non-empty, without '/', at most 200 characters; got {n!r}")
     return names
 
 
+def with_overrides(profile: RobotProfile, values: dict[str, Any]) -> RobotProfile:
+    """The profile with the node's ``device``, ``dtype`` and ``cache`` parameters applied (those
+    not '') and validated again (``cache: on`` without a repository is refused naming the key)."""
+    engine = replace(profile.engine, **{k: values[k] for k in ("device", "dtype") if values.get(k)})
+    cache = profile.cache if not values.get("cache") else replace(profile.cache, enabled=values["cache"] == "on")
+    return replace(profile, engine=engine, cache=cache).validate()
+
+
 def profile_and_checkpoint(values: dict[str, Any]) -> tuple[RobotProfile, str]:
-    """The node's robot profile and checkpoint (the parameter overrides the profile's)."""
-    profile = load_profile(values["profile"])
+    """The node's robot profile (with its parameter overrides) and checkpoint (the parameter
+    overrides the profile's)."""
+    if not values.get("profile"):
+        raise ValueError("no profile: set the 'profile' parameter (a robot profile YAML, config/<robot>.yaml)")
+    profile = with_overrides(load_profile(values["profile"]), values)
     ckpt = values.get("checkpoint") or profile.engine.checkpoint
     if not ckpt:
-        raise ValueError("no checkpoint: set the 'checkpoint' parameter or engine.checkpoint in the profile")
+        raise ValueError(f"no checkpoint: set the 'checkpoint' parameter (checkpoint:=DIR) or engine.checkpoint "
+                         f"in {values['profile']}")
     return profile, ckpt

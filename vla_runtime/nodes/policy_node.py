@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 
 import numpy as np
 from builtin_interfaces.msg import Duration, Time
@@ -26,7 +27,7 @@ from diagnostic_msgs.msg import DiagnosticArray
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 from rclpy.node import Node
 from sensor_msgs.msg import JointState
-from std_msgs.msg import Empty, String
+from std_msgs.msg import Empty, Float64MultiArray, String
 from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
 
 from vla_runtime.msg import ActionChunk, PrefixRequest, SlotReady
@@ -34,15 +35,25 @@ from vla_runtime.msg import ActionChunk, PrefixRequest, SlotReady
 from ..engine.controller import ControllerConfig, StreamingController
 from ..io.messages import InputError, JointStateAssembler
 from ..ipc.ring import RingBufferError
-from .adapters import group_commands, single_commands
-from .conversions import StampCheck, chunk_to_trajectory, instruction_from_msg, stamp_ns
+from .adapters import gripper_positions, group_commands, single_commands, trajectory_parts
+from .conversions import StampCheck, chunk_to_trajectory, implausible_joints, instruction_from_msg, points_passed, stamp_ns
 from .diagnostics import DIAGNOSTICS_TOPIC, diagnostic_array
 from .params import POLICY, declare_parameters, profile_and_checkpoint, ring_names
-from .prefix_ring import EPISODE_TOPIC, READY_TOPIC, REQUEST_TOPIC
+from .prefix_ring import EPISODE_TOPIC, READY_TOPIC, REQUEST_TOPIC, subscribe_instruction
 from .spin import CallbackGate, gated, run
 from .stages import PolicyStage, SlotNote, cache_config, load_policy, open_repository_meta
 
 PARAMETERS = POLICY
+
+
+@dataclass(frozen=True)
+class Asked:
+    """When a prefix request went out: on this node's clock (timeouts, latency; simulated time
+    with use_sim_time) and on the machine's monotonic clock (the vision node stamps its slots
+    with that one: a slot encoded before the request is a leftover)."""
+
+    clock_s: float
+    monotonic_ns: int
 SHUTDOWN_WAIT_S = 5.0   # for the chunk being computed at shutdown
 
 
@@ -54,9 +65,10 @@ class PolicyNode(Node):
         self.profile, ckpt = profile_and_checkpoint(v)
         prof = self.profile
         policy = load_policy(ckpt, self.profile.engine, [c.name for c in self.profile.cameras], prof.state_dim,
-                             role="policy")
+                             role="policy",
+                             control_hz=self.profile.control_hz)
         cc = cache_config(prof.cache, open_repository_meta(prof.cache, policy))
-        self.stage = PolicyStage(policy, ring_names(v), cc, int(v["seed"]))
+        self.stage = PolicyStage(policy, ring_names(v, self.get_namespace()), cc, int(v["seed"]))
         s = prof.streaming
         self.controller = StreamingController(
             ControllerConfig(control_hz=prof.control_hz, chunk_size=policy.engine.cfg.chunk_size,
@@ -70,7 +82,7 @@ class PolicyNode(Node):
         self.gate = CallbackGate()   # destroy_node waits for the chunk in flight before closing the rings
         self.t0_ns: int | None = None
         self.tick = -1
-        self.requested_at: dict[int, float] = {}
+        self.requested_at: dict[int, Asked] = {}
         self.request_timeouts = 0
         self.cached_calls = 0
         self.refused_joint_states = 0
@@ -80,16 +92,20 @@ class PolicyNode(Node):
         self.holds_published = 0
         self.last_refusal = ""
         self.last_latency_s = float("nan")
+        self.implausible_joint_states = 0
+        self.last_implausible = ""
         for topic in prof.joint_states_topics:
             self.create_subscription(JointState, topic, self._on_joints, 10)
-        self.create_subscription(String, prof.instruction_topic, self._on_instruction, 10)
+        # latched: an instruction published before this node started is still received
+        subscribe_instruction(self, prof.instruction_topic, self._on_instruction)   # latched or not
         self.episode = 0   # bumped by EPISODE_TOPIC: the same task again (e.g. the next part at a station)
         self.create_subscription(Empty, EPISODE_TOPIC, self._on_episode_start, 10)
         self.request_pub = self.create_publisher(PrefixRequest, REQUEST_TOPIC, 10)
-        self.chunk_pub = self.create_publisher(ActionChunk, "/vla_runtime/action_chunk", 10)
+        self.chunk_pub = self.create_publisher(ActionChunk, "vla_runtime/action_chunk", 10)
         self.diag_pub = self.create_publisher(DiagnosticArray, DIAGNOSTICS_TOPIC, 10)
         self.group_cmd = self.single_cmd = None
         self.traj_pubs, self.group_pubs, self.single_pubs = [], [], []
+        self.gripper_traj_pub = self.gripper_array_pub = None
         if prof.output.kind == "interbotix_joint_group":
             try:
                 from interbotix_xs_msgs.msg import JointGroupCommand, JointSingleCommand
@@ -102,6 +118,10 @@ class PolicyNode(Node):
             self.single_pubs = [self.create_publisher(JointSingleCommand, t, 10) for t in prof.output.single_topics]
         else:
             self.traj_pubs = [self.create_publisher(JointTrajectory, t, 10) for t in prof.output.topics]
+            if prof.output.gripper_kind == "joint_trajectory":
+                self.gripper_traj_pub = self.create_publisher(JointTrajectory, prof.output.gripper_topic, 10)
+            elif prof.output.gripper_kind == "float64_array":
+                self.gripper_array_pub = self.create_publisher(Float64MultiArray, prof.output.gripper_topic, 10)
         self.create_subscription(SlotReady, READY_TOPIC, self._on_slot, 10,
                                  callback_group=MutuallyExclusiveCallbackGroup())
         self.create_timer(1.0 / prof.control_hz, self._on_tick, callback_group=MutuallyExclusiveCallbackGroup())
@@ -113,6 +133,10 @@ class PolicyNode(Node):
     def request_timeout_s(self) -> float:
         return float(self.params["request_timeout_s"])
 
+    def _now_ns(self) -> int:
+        """This node's clock: ROS time, or /clock with use_sim_time (ticks, ages, latencies)."""
+        return self.get_clock().now().nanoseconds
+
     def _on_parameter(self, name: str, value: object) -> None:
         self.params[name] = value   # read on every use: takes effect from the next message / tick
 
@@ -122,13 +146,22 @@ class PolicyNode(Node):
 
     # ------------------------------------------------------------ inputs (validated in conversions)
     def _on_joints(self, msg: JointState) -> None:
+        now = self._now_ns()
+        if now == 0:   # use_sim_time before the first /clock: no time to judge the stamp against yet
+            return
         try:
             StampCheck(float(self.params["max_input_age_s"]), float(self.params["max_future_s"])).check(
-                stamp_ns(msg), self.get_clock().now().nanoseconds, "JointState")
-            self.joints.update(msg, time.monotonic_ns())
+                stamp_ns(msg), now, "JointState")
+            self.joints.update(msg, now)
         except InputError as e:
             self.refused_joint_states += 1
             self._refuse(f"joint state refused: {e}")
+            return
+        far = implausible_joints(self.joints, self.profile.joint_lower, self.profile.joint_upper)
+        if far:   # finite, so taken (the safety filter keeps commands inside the limits), but said
+            self.implausible_joint_states += 1
+            self.last_implausible = "joint state implausible (units? wrong joint?): " + "; ".join(far)
+            self.get_logger().warning(self.last_implausible, throttle_duration_sec=2.0)
 
     def _on_episode_start(self, _msg: Empty) -> None:
         self.episode += 1
@@ -156,7 +189,7 @@ class PolicyNode(Node):
     def _on_tick(self) -> None:
         if self.task is None or not self.joints.complete():
             return
-        now_ns = time.monotonic_ns()
+        now_ns = self._now_ns()
         with self.lock:
             if self.t0_ns is None:
                 self.t0_ns = now_ns
@@ -177,13 +210,16 @@ class PolicyNode(Node):
                 return
         if went_stale and self.traj_pubs:
             self._publish_hold(command.action)
+        if self.gripper_array_pub is not None:   # a forward command controller: the command every tick
+            fingers = gripper_positions(self.profile.output, command.action[None])[0]
+            self.gripper_array_pub.publish(Float64MultiArray(data=[float(x) for x in fingers]))
         if self.group_cmd is not None:   # Interbotix arms take their commands every control tick
             for c in group_commands(self.profile.output, command.action):
                 self.group_pubs[c.topic_index].publish(self.group_cmd(name=c.name, cmd=list(c.values)))
             for c in single_commands(self.profile.output, command.action):
                 self.single_pubs[c.topic_index].publish(self.single_cmd(name=c.name, cmd=c.values[0]))
         if req is not None:
-            self.requested_at[req.request_seq] = time.monotonic()
+            self.requested_at[req.request_seq] = Asked(now_ns * 1e-9, time.monotonic_ns())
             msg = PrefixRequest()
             msg.header.stamp = self.get_clock().now().to_msg()
             msg.request_seq, msg.start_tick = req.request_seq, req.start_tick
@@ -192,8 +228,8 @@ class PolicyNode(Node):
 
     def _expire_request(self, tick: int) -> None:
         req = self.controller.in_flight
-        if req is not None and time.monotonic() - self.requested_at.get(req.request_seq, time.monotonic()) \
-                > self.request_timeout_s:
+        asked = self.requested_at.get(req.request_seq) if req is not None else None
+        if asked is not None and self._now_ns() * 1e-9 - asked.clock_s > self.request_timeout_s:
             self.get_logger().warning(f"prefix request {req.request_seq} unanswered after {self.request_timeout_s} s: "
                                       "asking again")
             self.requested_at.pop(req.request_seq, None)
@@ -215,14 +251,14 @@ class PolicyNode(Node):
             self.get_logger().warning(f"slot {msg.slot} seq {msg.sequence} was overwritten before it was read")
             return
         asked = self.requested_at.get(result.request_seq)
-        if asked is None or result.meta.stamp_ns < int(asked * 1e9):
+        if asked is None or result.meta.stamp_ns < asked.monotonic_ns:
             # Encoded before this request was made: a leftover for a request of this node's
             # previous run (same request number after a restart), never this call's answer.
             self.stale_slots += 1
             self._refuse(f"slot for request {result.request_seq} was encoded before that request: ignored")
             return
         self.requested_at.pop(result.request_seq, None)
-        latency = time.monotonic() - asked
+        latency = self._now_ns() * 1e-9 - asked.clock_s
         try:
             with self.lock:   # the latency and the call count move together (the diagnostics timer runs concurrently)
                 self.last_latency_s = latency
@@ -244,20 +280,7 @@ class PolicyNode(Node):
     def _publish_hold(self, action: np.ndarray) -> None:
         """The plan went stale: a one-point trajectory at the held command, effective now, replaces
         what the trajectory controller is executing (it would otherwise play the stale plan out)."""
-        prof = self.profile
-        period = 1.0 / prof.control_hz
-        now_ns = self.get_clock().now().nanoseconds
-        slices = prof.output.joint_slices or ((0, prof.state_dim),)
-        for pub, (a, b) in zip(self.traj_pubs, slices):
-            try:
-                traj = chunk_to_trajectory(self.controller.within_limits(action[None, a:b]), prof.joint_names[a:b],
-                                           now_ns, period, JointTrajectory, JointTrajectoryPoint,
-                                           lambda s, ns: Duration(sec=s, nanosec=ns),
-                                           lambda s, ns: Time(sec=s, nanosec=ns))
-            except InputError as e:
-                self.get_logger().error(f"hold not published: {e}")
-                continue
-            pub.publish(traj)
+        self._send_plan(self.controller.within_limits(action[None]), self._now_ns(), "hold")
         self.holds_published += 1
         self.get_logger().warning(f"no fresh chunk within {self.profile.streaming.watchdog_s} s: holding")
         self._publish_diagnostics()
@@ -275,19 +298,30 @@ class PolicyNode(Node):
         out.actions = [float(x) for x in chunk.reshape(-1)]
         out.source = source
         self.chunk_pub.publish(out)
-        if len(upcoming) == 0:
-            return
-        slices = prof.output.joint_slices or ((0, prof.state_dim),)
-        for pub, (a, b) in zip(self.traj_pubs, slices):
+        passed = points_passed(first_ns, period, self._now_ns(), len(upcoming))
+        if passed:   # a trajectory controller refuses a start in the past: begin at the next point due
+            upcoming, first_ns = upcoming[passed:], first_ns + int(round(passed * period * 1e9))
+        if len(upcoming):
+            self._send_plan(upcoming, first_ns, "trajectory")
+
+    def _send_plan(self, actions: np.ndarray, first_ns: int, what: str) -> None:
+        """``actions`` [points, joints] from ``first_ns`` on to every trajectory output: each arm
+        topic exactly its controller's joints, a gripper trajectory controller its finger joints."""
+        prof = self.profile
+        parts = [(self.traj_pubs[i], names, pos) for i, names, pos in
+                 trajectory_parts(prof.output, prof.joint_names, actions)]
+        if self.gripper_traj_pub is not None:
+            parts.append((self.gripper_traj_pub, prof.output.gripper_joint_names,
+                          gripper_positions(prof.output, actions)))
+        for pub, names, positions in parts:
             try:
-                traj = chunk_to_trajectory(upcoming[:, a:b], prof.joint_names[a:b], first_ns, period, JointTrajectory,
+                traj = chunk_to_trajectory(positions, names, first_ns, 1.0 / prof.control_hz, JointTrajectory,
                                            JointTrajectoryPoint, lambda s, ns: Duration(sec=s, nanosec=ns),
                                            lambda s, ns: Time(sec=s, nanosec=ns))
             except InputError as e:
-                self.get_logger().error(f"trajectory not published: {e}")
+                self.get_logger().error(f"{what} not published: {e}")
                 continue
             pub.publish(traj)
-
 
     def _publish_diagnostics(self) -> None:
         """Health for rqt / diagnostic_aggregator: latency, holds, safety, watchdog, refusals, cache."""
@@ -311,6 +345,8 @@ class PolicyNode(Node):
                   "holds_published": str(self.holds_published),
                   "refused_joint_states": str(self.refused_joint_states),
                   "refused_instructions": str(self.refused_instructions),
+                  "implausible_joint_states": str(self.implausible_joint_states),
+                  "last_implausible": self.last_implausible,
                   "instruction_changes": str(self.instruction_changes), "task": self.task or "",
                   "last_refusal": self.last_refusal,
                   "plan_stale": str(self.tick >= 0 and c.watchdog.is_stale(self.tick))}
@@ -326,7 +362,7 @@ class PolicyNode(Node):
 
 
 def main(args: list[str] | None = None) -> None:
-    run(PolicyNode, threads=2, args=args)
+    run(PolicyNode, "vla_policy", threads=2, args=args)
 
 
 if __name__ == "__main__":

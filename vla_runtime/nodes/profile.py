@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +20,22 @@ from ..cache.halves import HALVES, parse_setting
 from ..engine.safety import JointLimits
 from ..engine.stitching import StitchConfig
 from ..models.config import PRESETS
+from .devices import device_problem
 
 log = logging.getLogger(__name__)
 
 OUTPUT_KINDS = ("joint_trajectory", "interbotix_joint_group")
+GRIPPER_KINDS = ("joint_trajectory", "float64_array")
 PREDICTORS = ("absolute", "delta", "observed")
+
+
+def topic_problem(topic: object) -> str:
+    """Why ``topic`` is not a topic name ('' when it is one). Relative names ('joint_states')
+    resolve under the node's namespace (one robot per namespace); absolute ones ('/joint_states')
+    do not."""
+    ok = isinstance(topic, str) and topic.strip("/") and " " not in topic and "//" not in topic \
+        and not topic.endswith("/")
+    return "" if ok else f"must be a topic name (relative, or absolute with a leading /), got {topic!r}"
 
 
 class ProfileError(ValueError):
@@ -50,6 +61,16 @@ class OutputSpec:
     single_topics: tuple[str, ...] = ()   # interbotix: JointSingleCommand topics (grippers)
     single_names: tuple[str, ...] = ()    # interbotix joint name per single topic (e.g. "gripper")
     single_joints: tuple[int, ...] = ()   # which action index each single topic gets
+    # A gripper on its own controller (an arm controller refuses joints it does not own): the
+    # action column ``gripper_joint`` (e.g. a finger width), times ``gripper_scale``, to every one
+    # of ``gripper_joint_names`` (Franka: the two fingers at half the width each), as a
+    # JointTrajectory (``joint_trajectory``: a gripper trajectory controller, the whole plan) or
+    # a Float64MultiArray (``float64_array``: a forward command controller, every control tick).
+    gripper_kind: str = ""
+    gripper_topic: str = ""
+    gripper_joint: int = -1
+    gripper_joint_names: tuple[str, ...] = ()
+    gripper_scale: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -132,6 +153,8 @@ class RobotProfile:
     streaming: StreamingSpec = field(default_factory=StreamingSpec)
     cache: CacheSpec = field(default_factory=CacheSpec)
     dataset: DatasetSpec = field(default_factory=DatasetSpec)
+    controllers: str | None = None   # the controller configuration the outputs are written for (documentation,
+    #                                  checked against the outputs by test/nodes/test_profile.py)
 
     @property
     def state_dim(self) -> int:
@@ -152,8 +175,8 @@ class RobotProfile:
         if len(set(names)) != len(names):
             raise bad("cameras", f"camera names must be unique, got {names}")
         for c in self.cameras:
-            if not c.topic.startswith("/"):
-                raise bad(f"cameras.{c.name}.topic", f"must be an absolute topic, got {c.topic!r}")
+            if problem := topic_problem(c.topic):
+                raise bad(f"cameras.{c.name}.topic", problem)
         n = len(self.joint_names)
         if n == 0 or len(set(self.joint_names)) != n:
             raise bad("joint_names", "must be a non-empty list of unique names")
@@ -173,8 +196,8 @@ class RobotProfile:
         o = self.output
         if o.kind not in OUTPUT_KINDS:
             raise bad("output.kind", f"must be one of {OUTPUT_KINDS}, got {o.kind!r}")
-        if not o.topics or any(not t.startswith("/") for t in o.topics):
-            raise bad("output.topics", "needs absolute topic names")
+        if not o.topics or any(topic_problem(t) for t in o.topics):
+            raise bad("output.topics", f"needs topic names, got {list(o.topics)}")
         if o.joint_slices and len(o.joint_slices) != len(o.topics):
             raise bad("output.joint_slices", "one slice per output topic")
         if o.kind == "interbotix_joint_group" and len(o.groups) != len(o.topics):
@@ -187,10 +210,23 @@ class RobotProfile:
                 raise bad("output.single_topics", "single-joint commands exist for interbotix_joint_group output only")
             if not (len(o.single_names) == len(o.single_joints) == len(o.single_topics)):
                 raise bad("output.single_names/single_joints", "one joint name and one action index per single topic")
-            if any(not t.startswith("/") for t in o.single_topics):
-                raise bad("output.single_topics", "needs absolute topic names")
+            if any(topic_problem(t) for t in o.single_topics):
+                raise bad("output.single_topics", f"needs topic names, got {list(o.single_topics)}")
             if any(not isinstance(j, int) or not 0 <= j < n for j in o.single_joints):
                 raise bad("output.single_joints", f"action indices must be in [0, {n})")
+        if o.gripper_kind:
+            if o.gripper_kind not in GRIPPER_KINDS or o.kind != "joint_trajectory":
+                raise bad("output.gripper_kind", f"must be one of {GRIPPER_KINDS}, with output.kind joint_trajectory; "
+                                                 f"got {o.gripper_kind!r}")
+            if not o.gripper_topic or not o.gripper_joint_names:
+                raise bad("output.gripper_topic/gripper_joint_names", "a gripper output needs its topic and joints")
+            if isinstance(o.gripper_joint, bool) or not isinstance(o.gripper_joint, int) or not 0 <= o.gripper_joint < n:
+                raise bad("output.gripper_joint", f"action index must be in [0, {n}), got {o.gripper_joint!r}")
+            if not (isinstance(o.gripper_scale, (int, float)) and o.gripper_scale > 0):
+                raise bad("output.gripper_scale", f"must be > 0, got {o.gripper_scale!r}")
+            if any(a <= o.gripper_joint < b for a, b in o.joint_slices or ((0, n),)):
+                raise bad("output.joint_slices", f"the gripper joint {o.gripper_joint} also goes to an arm topic: "
+                                                 "its controller would refuse the trajectory")
         s = self.streaming
         if s.predictor not in PREDICTORS:
             raise bad("streaming.predictor", f"must be one of {PREDICTORS}, got {s.predictor!r}")
@@ -230,8 +266,8 @@ class RobotProfile:
             raise bad("engine.preset", f"must be null or one of {sorted(PRESETS)}, got {e.preset!r}")
         if e.dtype not in ("float32", "bfloat16", "float16"):
             raise bad("engine.dtype", f"must be float32, bfloat16 or float16, got {e.dtype!r}")
-        if not isinstance(e.device, str) or not (e.device == "cpu" or e.device.split(":")[0] == "cuda"):
-            raise bad("engine.device", f"must be cpu, cuda or cuda:N, got {e.device!r}")
+        if problem := device_problem(e.device):
+            raise bad("engine.device", problem)
         if e.threads is not None and not (isinstance(e.threads, int) and 1 <= e.threads <= 256):
             raise bad("engine.threads", f"must be null or an int in [1, 256], got {e.threads!r}")
         if not isinstance(e.share_weights, bool):
@@ -284,7 +320,7 @@ def profile_from_dict(data: dict, where: str = "profile") -> RobotProfile:
         out = d.pop("output", None) or {}
         out = _build(OutputSpec, {**out, **{k: tuple(tuple(x) if isinstance(x, list) else x for x in out[k])
                                             for k in ("topics", "groups", "joint_slices", "single_topics", "single_names",
-                                                      "single_joints") if k in out}}, f"{where}.output")
+                                                      "single_joints", "gripper_joint_names") if k in out}}, f"{where}.output")
         stream = dict(d.pop("streaming", None) or {})
         stitch = _build(StitchConfig, stream.pop("stitch", None), f"{where}.streaming.stitch")
         streaming = _build(StreamingSpec, {**stream, "stitch": stitch}, f"{where}.streaming")
@@ -303,8 +339,34 @@ def profile_from_dict(data: dict, where: str = "profile") -> RobotProfile:
     return prof.validate()
 
 
+def profile_path(value: str | None, profile_file: Path) -> str | None:
+    """A path a profile names (``engine.checkpoint``, ``cache.repository``), independent of the
+    working directory: absolute (``~`` expanded) as given; relative, against the profile's
+    folder, or, for a profile in a ``config/`` folder, against the folder above it (the package:
+    the source tree, or ``install/share/vla_runtime``, where ``checkpoints/`` is installed too).
+    The first that exists wins; when none does, the package's (or the folder's) is returned, so
+    the error the loader raises names a place the profile could mean."""
+    if not value:
+        return value
+    p = Path(value).expanduser()
+    if p.is_absolute():
+        return str(p)
+    folder = profile_file.resolve().parent
+    bases = [folder] + ([folder.parent] if folder.name == "config" else [])
+    candidates = [b / p for b in bases]
+    return str(next((c for c in candidates if c.exists()), candidates[-1]))
+
+
+def with_paths_resolved(prof: RobotProfile, profile_file: Path) -> RobotProfile:
+    """``prof`` with its checkpoint and repository paths made absolute (``profile_path``)."""
+    return replace(prof, engine=replace(prof.engine, checkpoint=profile_path(prof.engine.checkpoint, profile_file)),
+                   cache=replace(prof.cache, repository=profile_path(prof.cache.repository, profile_file)),
+                   controllers=profile_path(prof.controllers, profile_file))
+
+
 def load_profile(path: str | Path) -> RobotProfile:
-    """Read and validate a robot profile YAML (``config/<robot>.yaml``)."""
+    """Read and validate a robot profile YAML (``config/<robot>.yaml``); relative paths in it
+    are resolved against the file (``profile_path``), never the working directory."""
     path = Path(path)
     try:
         data = yaml.safe_load(path.read_text())
@@ -312,4 +374,4 @@ def load_profile(path: str | Path) -> RobotProfile:
         raise ProfileError(f"{path}: no such profile file") from None
     except yaml.YAMLError as e:
         raise ProfileError(f"{path}: not valid YAML ({e})") from None
-    return profile_from_dict(data, where=str(path))
+    return with_paths_resolved(profile_from_dict(data, where=str(path)), path)

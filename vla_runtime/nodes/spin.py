@@ -1,6 +1,6 @@
 """The entry point every node shares: init, spin, clean shutdown (also on Ctrl-C).
 
-Ctrl-C ends ``spin`` in the main thread, but a multi-threaded executor's worker may still be in
+Ctrl-C (or SIGTERM) asks the spin loop to end (``StopRequest``), but an executor worker may still be in
 a callback: encoding into a ring, or waiting for the cache manager's answer. ``CallbackGate``
 lets ``destroy_node`` stop new callbacks, wake the waiting ones and wait for the ones in flight
 before it unmaps the rings they write to (closing a ring under a running call would fault, and
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -84,6 +85,33 @@ def spin_until_shutdown(spin: Callable[[], None], context_ok: Callable[[], bool]
         pass
 
 
+SPIN_WAKE_S = 0.2   # the longest a stop request waits to be noticed by an idle node
+
+
+class StopRequest:
+    """The SIGINT / SIGTERM handler of a node: it only records the request (an exception raised
+    at an arbitrary point inside rclpy's executor could be swallowed there, or leave its state
+    half-changed); the spin loop sees it at its next wake-up and ends."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def __call__(self, _signum: int = 0, _frame: Any = None) -> None:
+        self._event.set()
+
+    @property
+    def requested(self) -> bool:
+        return self._event.is_set()
+
+
+def spin_interruptibly(executor: Any, keep_going: Callable[[], bool]) -> None:
+    """``executor.spin()`` while ``keep_going()``, back in Python at least every ``SPIN_WAKE_S``:
+    a node with nothing to do (a simulated clock that stopped, no messages) would otherwise wait
+    in C for ever and never see a stop request."""
+    while keep_going():
+        executor.spin_once(timeout_sec=SPIN_WAKE_S)
+
+
 def ignore_sigint() -> None:
     """Ignore further Ctrl-C, so that the clean-up (closing the rings, destroying the node) runs to
     its end: a terminal's Ctrl-C reaches the node twice (directly and relayed by ``ros2 launch``),
@@ -91,24 +119,53 @@ def ignore_sigint() -> None:
     while True:
         try:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
             return
         except KeyboardInterrupt:
             continue
 
 
-def run(make_node: Callable[[], object], threads: int = 1, args: list[str] | None = None) -> None:
+START_FAILED = 3   # the exit status of a node that could not start (the launch files stop on it)
+
+
+def start_failure(name: str, exc: BaseException) -> str:
+    """The one line a node that cannot start prints (no traceback: the reason is the message; a
+    ValueError or OSError carries it in its text, anything else is named by its type too)."""
+    text = " ".join(str(exc).split())
+    if not isinstance(exc, (ValueError, OSError)) or not text:
+        text = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return f"{name}: cannot start: {text}"
+
+
+def run(make_node: Callable[[], object], name: str, threads: int = 1, args: list[str] | None = None) -> None:
+    """Start ``make_node`` and spin it until shutdown. A node that cannot start (bad profile,
+    checkpoint, device, parameter) prints one line saying why on stderr and the process exits
+    with ``START_FAILED``, so that a launcher, or a shell, sees the failure and its reason."""
     import rclpy
     from rclpy._rclpy_pybind11 import RCLError
     from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor, SingleThreadedExecutor
+    from rclpy.signals import SignalHandlerOptions
 
-    rclpy.init(args=args)
-    node = make_node()
+    # rclpy's own SIGINT handler shuts the context down at once, under the callbacks still running
+    # in the executor's threads (their publish then fails: "publisher's context is invalid"). Here
+    # Ctrl-C (and SIGTERM) only asks the spin loop to end; the context goes down last, after the node.
+    rclpy.init(args=args, signal_handler_options=SignalHandlerOptions.NO)
+    stop = StopRequest()
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        node = make_node()
+    except (Exception, KeyboardInterrupt) as e:   # noqa: BLE001 - every reason is reported the same way
+        print(start_failure(name, e), file=sys.stderr, flush=True)
+        rclpy.try_shutdown()
+        raise SystemExit(START_FAILED) from None
     executor = MultiThreadedExecutor(num_threads=threads) if threads > 1 else SingleThreadedExecutor()
     executor.add_node(node)
     try:
-        spin_until_shutdown(executor.spin, rclpy.ok, (RCLError, ExternalShutdownException))
+        spin_until_shutdown(lambda: spin_interruptibly(executor, lambda: rclpy.ok() and not stop.requested),
+                            rclpy.ok, (RCLError, ExternalShutdownException))
     finally:
         ignore_sigint()
-        node.destroy_node()
-        if rclpy.ok():
-            rclpy.shutdown()
+        node.destroy_node()        # waits for the callbacks in flight (CallbackGate), then the rings
+        executor.shutdown(timeout_sec=0)
+        rclpy.try_shutdown()

@@ -36,6 +36,7 @@ from ..ipc.layout import SlotLayout
 from ..ipc.ring import LayoutMismatchError, RingBuffer, RingBufferError
 from ..models.config import preset
 from ..models.parts import role_parts
+from .devices import cpu_latency_note, measured_cpu_gflops, resolve_device
 from .profile import CacheSpec, EngineSpec
 from .prefix_ring import DEFAULT_RING, prefix_layout
 from .selection import Choice, WindowSelector
@@ -94,6 +95,13 @@ class RingNames:
     working_set: str = DEFAULT_WORKING_SET
 
     @classmethod
+    def for_namespace(cls, namespace: str) -> "RingNames":
+        """The default names of a node in ``namespace``: the plain defaults in the root namespace,
+        else suffixed with it (``/robot1/left`` -> ``vla_prefix_robot1_left``)."""
+        tag = namespace.strip("/").replace("/", "_")
+        return cls() if not tag else cls(f"{DEFAULT_RING}_{tag}", f"{DEFAULT_WORKING_SET}_{tag}")
+
+    @classmethod
     def tagged(cls, tag: str) -> "RingNames":
         """A private set for one run of a tool (``<tag>_prefix``, ``<tag>_refs``)."""
         return cls(f"{tag}_prefix", f"{tag}_refs")
@@ -138,8 +146,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def load_policy(checkpoint: str | Path, engine: EngineSpec, cameras: Sequence[str],
-                state_dim: int | None = None, role: str | None = None) -> Pi05Policy:
-    """The model as the profile's engine section says (dtype, device, threads); on CPU the nodes map
+                state_dim: int | None = None, role: str | None = None,
+                control_hz: float | None = None) -> Pi05Policy:
+    """The model as the profile's engine section says (dtype, device, threads); ``device: auto``
+    takes CUDA when this process sees a GPU, else the CPU with a warning of the latency to expect
+    there (``devices.py``; ``control_hz`` puts it next to a chunk's duration). On CPU the nodes map
     one shared file of fused weights instead of holding a copy each (``share_weights``). With a
     pipeline ``role`` ("vision", "policy", "cache") and ``engine.weights_per_role`` the model keeps
     only the parts that role runs (``models.parts.ROLE_PARTS``); without one it keeps everything
@@ -149,19 +160,20 @@ def load_policy(checkpoint: str | Path, engine: EngineSpec, cameras: Sequence[st
     the profile's ``engine.preset`` (when the profile names one), or whose state/action dimensions
     are not the profile's ``state_dim`` joints (the nodes build the state from those joints and
     send every action column to one of them)."""
-    if engine.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"engine.device is {engine.device!r} but no CUDA device is available to this process; "
-                         "set engine.device: cpu in the profile")
+    cuda = torch.cuda.is_available()
+    device = resolve_device(engine.device, cuda, torch.cuda.device_count() if cuda else 0)
     if engine.threads:
         torch.set_num_threads(engine.threads)
     parts = role_parts(role) if role is not None and engine.weights_per_role else None
     policy = Pi05Policy.from_checkpoint(checkpoint, camera_names=list(cameras), dtype=DTYPES[engine.dtype],
-                                        device=engine.device,
-                                        share_weights=engine.share_weights and engine.device == "cpu",
+                                        device=device, share_weights=engine.share_weights and device == "cpu",
                                         norm_asset=engine.norm_asset, parts=parts)
     problem = checkpoint_mismatch(policy, engine.preset, state_dim)
     if problem:
         raise ValueError(f"checkpoint {checkpoint} does not match the profile: {problem}")
+    if engine.device == "auto" and device == "cpu":
+        log.warning(cpu_latency_note(policy.engine.cfg, len(cameras), measured_cpu_gflops(DTYPES[engine.dtype]),
+                                     control_hz))
     return policy
 
 

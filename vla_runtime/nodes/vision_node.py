@@ -15,8 +15,6 @@ until it sends new frames. Diagnostics go out after every call, every refusal an
 
 from __future__ import annotations
 
-import time
-
 from diagnostic_msgs.msg import DiagnosticArray
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 from rclpy.node import Node
@@ -44,9 +42,10 @@ class VisionNode(Node):
         self.params = v
         self.profile, ckpt = profile_and_checkpoint(v)
         policy = load_policy(ckpt, self.profile.engine, [c.name for c in self.profile.cameras], self.profile.state_dim,
-                             role="vision")
+                             role="vision",
+                             control_hz=self.profile.control_hz)
         cache = self.profile.cache if self.profile.cache.enabled else None
-        self.stage = VisionStage(policy, ring_names(v), int(v["ring_slots"]), cache, self.profile.arm_slices)
+        self.stage = VisionStage(policy, ring_names(v, self.get_namespace()), int(v["ring_slots"]), cache, self.profile.arm_slices)
         self.feeds = {c.name: CameraFeed(c.name) for c in self.profile.cameras}
         self.refused_images = 0
         self.refused_requests = 0
@@ -81,15 +80,17 @@ class VisionNode(Node):
         self.get_logger().warning(what, throttle_duration_sec=2.0)
 
     def _on_image(self, cam, msg) -> None:
-        stamp = stamp_ns(msg)
+        stamp, now = stamp_ns(msg), self.get_clock().now().nanoseconds
+        if now == 0:   # use_sim_time before the first /clock: no time to judge the frame against yet
+            return
 
         def accept():   # a new frame only: a repeated stamp is counted before its age is judged, so
             #             a frozen driver is reported as frozen rather than as sending old frames
-            self._stamps().check(stamp, self.get_clock().now().nanoseconds, f"camera {cam.name!r}")
+            self._stamps().check(stamp, now, f"camera {cam.name!r}")
             return image_from_msg(msg, cam.compressed, cam.name)
 
         try:
-            self.feeds[cam.name].offer(stamp, time.monotonic_ns(), accept)
+            self.feeds[cam.name].offer(stamp, now, accept)
         except InputError as e:
             self.refused_images += 1
             self._refuse(f"image refused: {e}")
@@ -109,7 +110,7 @@ class VisionNode(Node):
 
     @gated
     def _on_request(self, req: PrefixRequest) -> None:
-        images, self.missing, self.stale = usable_images(self.feeds, time.monotonic_ns(),
+        images, self.missing, self.stale = usable_images(self.feeds, self.get_clock().now().nanoseconds,
                                                          float(self.params["max_image_age_s"]),
                                                          int(self.params["frozen_after"]))
         if self.stale or not images:
@@ -165,7 +166,7 @@ class VisionNode(Node):
 
 
 def main(args: list[str] | None = None) -> None:
-    run(VisionNode, threads=3, args=args)
+    run(VisionNode, "vla_vision", threads=3, args=args)
 
 
 if __name__ == "__main__":

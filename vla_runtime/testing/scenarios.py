@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -46,3 +47,15 @@ def rgb_image(img: np.ndarray, stamp: Any = None) -> Any:
     if stamp is not None:
         m.header.stamp = stamp
     return m
+
+
+def spin_until(node: Any, pred: Any, timeout: float) -> bool:
+    """Spin the scenario's test node until ``pred()`` holds (True) or ``timeout`` s pass (False)."""
+    import rclpy
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        rclpy.spin_once(node, timeout_sec=0.05)
+        if pred():
+            return True
+    return False
