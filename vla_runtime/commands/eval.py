@@ -626,7 +626,7 @@ def reading(report: dict[str, Any]) -> str:
 
 def summary(report: dict[str, Any], out: Path) -> str:
     """What ``vla-runtime eval`` prints: the table, the paragraph reading it, where the files are."""
-    return (success_table(report) + "\n" + textwrap.fill(reading(report), 100) + "\n\n"
+    return (success_table(report) + "\n" + textwrap.fill(reading(report), 100, break_on_hyphens=False) + "\n\n"
             f"details (ratios, fallback rule, seed by seed): {out / 'eval.md'}\n"
             f"every episode and aggregate (JSON): {out / 'eval.json'}\n"
             f"plot (success per task, latency per phase): {out / 'eval.png'}\n")
