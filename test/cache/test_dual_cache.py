@@ -81,7 +81,8 @@ def test_partial_ratios_change_the_answer_beyond_rounding(model, scene):
     # only that the partial ratios change it by more than float rounding: the floor is the same
     # cached code path at full ratios (every token and neuron recomputed), which differs from the
     # dense engine by summation order alone.
-    full = _run(CachedEngine(model, CacheConfig(rho_p=1.0, rho_n=1.0)), cur, noise, _entry(model, ref, rho_n=1.0)).actions
+    full_engine = CachedEngine(model, CacheConfig(rho_p=1.0, rho_n=1.0))
+    full = _run(full_engine, cur, noise, _entry(model, ref, rho_n=1.0)).actions
     rounding = float((full - dense).norm() / dense.norm())
     rel = float((out - dense).norm() / dense.norm())
     assert rel > 10 * rounding, (rel, rounding)

@@ -117,7 +117,8 @@ def setup():
     cur = _obs(cfg, 2, base=ref.images, jitter=0.3)
     noise = torch.randn(1, cfg.chunk_size, cfg.action_dim, generator=torch.Generator().manual_seed(3))
     model.setup_caches(1)
-    entry = reconstruct_entry(model, ("ep", 0), ref.images[0], ref.image_mask[0], ref.tokens[0], ref.token_mask[0], None)
+    entry = reconstruct_entry(model, ("ep", 0), ref.images[0], ref.image_mask[0], ref.tokens[0], ref.token_mask[0],
+                              None)
     with torch.no_grad():
         image_tokens, _ = model.embed_images(ref.images)
         prefix = model.build_prefix(image_tokens, ref.image_mask, ref.tokens, ref.token_mask)

@@ -106,7 +106,8 @@ def _gpu_checks():
 def test_a_check_that_did_not_run_fails_the_run(tmp_path, why):
     """A skipped check (asked for, or not started because the budget is used up) is not a pass."""
     gpu_checks = _gpu_checks()
-    argv = ["--cpu-dry-run", "--out", str(tmp_path)] + (["--skip", "trained"] if why == "--skip" else ["--budget-s", "0"])
+    cut = ["--skip", "trained"] if why == "--skip" else ["--budget-s", "0"]
+    argv = ["--cpu-dry-run", "--out", str(tmp_path), *cut]
     report = gpu_checks.Report(gpu_checks.parse_args(argv))
     ran = []
 

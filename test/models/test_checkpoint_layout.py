@@ -29,9 +29,10 @@ LISTING = Path(__file__).resolve().parents[1] / "data" / "pi05_lerobot_layout.tx
 _VIS = "paligemma_with_expert.paligemma.model.vision_tower.vision_model."
 _LM = "paligemma_with_expert.paligemma.model.language_model."
 _EXP = "paligemma_with_expert.gemma_expert.model."
+Shape = tuple[int, ...]
 
 
-def parse_listing(text: str) -> tuple[dict[str, int], dict[str, list[tuple[str, tuple[int, ...]]]], dict[str, tuple[int, ...]]]:
+def parse_listing(text: str) -> tuple[dict[str, int], dict[str, list[tuple[str, Shape]]], dict[str, Shape]]:
     """(tensors per layer prefix, per-layer suffixes with shapes of layer 0, other keys' shapes).
 
     Prefixes and keys lose the ``model.`` prefix; layer prefixes end in ``layers.``."""
