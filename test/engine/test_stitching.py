@@ -106,6 +106,37 @@ def test_gap_between_chunks_is_none_not_interpolated():
     assert mask.tolist() == [True, True, False, False, True, True, False]
 
 
+def test_bad_arguments_are_named_in_the_error():
+    """Each refusal names the offending argument or position (found by mutation testing: the
+    messages were not checked)."""
+    plan = ActionPlan(2, 16)
+    s = ReplaceStitcher()
+    for call, match in ((lambda: plan.read(0.5, 2), "start must be"), (lambda: plan.read(0, 2.5), "stop must be"),
+                        (lambda: plan.read(3, 2), r"read range \[3, 2\) is reversed"),
+                        (lambda: s.merge(plan, _chunk([1]), 1.0, 0), "start_tick must be"),
+                        (lambda: s.merge(plan, _chunk([1]), 0, 1.0), "now must be"),
+                        (lambda: s.merge({}, _chunk([1]), 0, 0), "plan must be an ActionPlan, got dict"),
+                        (lambda: s.merge(plan, _chunk([1, 2]).astype(np.complex128), 0, 0),
+                         "real-valued, got dtype complex128"),
+                        (lambda: FreezeStitcher().merge(plan, _chunk([1]), 0, 0, freeze=-1), "freeze must be")):
+        with pytest.raises(ValueError, match=match):
+            call()
+    bad = _chunk([1, 2, 3])
+    bad[2, 1] = np.nan
+    with pytest.raises(ValueError, match=r"first at action 2, joint 1"):
+        s.merge(plan, bad, 0, 0)
+
+
+def test_empty_read_and_one_row_chunk():
+    plan = ActionPlan(2, 16)
+    actions, mask = plan.read(4, 4)
+    assert actions.shape == (0, 2) and actions.dtype == np.float64 and mask.shape == (0,)
+    ReplaceStitcher().merge(plan, _chunk([7]), 3, 3)           # a chunk of one action is a chunk
+    assert _plan_rows(plan, 3, 5) == [[7, 107], None]
+    actions, mask = plan.read(2, 5)
+    assert actions.dtype == np.float64 and mask.tolist() == [False, True, False]
+
+
 # ---------------------------------------------------------------------- replace
 
 
