@@ -16,22 +16,12 @@ from vla_runtime.engine.dense import DenseEngine, ModelInputs
 from vla_runtime.models.config import preset
 from vla_runtime.models.gemma import GemmaMLP
 from vla_runtime.models.pi05 import Pi05Model, init_random_
+from vla_runtime.testing.observations import random_inputs
 
 
 @pytest.fixture(scope="module")
 def model() -> Pi05Model:
     return init_random_(Pi05Model(preset("pi05-tiny")), seed=7)
-
-
-def _obs(cfg, seed: int, base: torch.Tensor | None = None, jitter: float = 0.0) -> ModelInputs:
-    g = torch.Generator().manual_seed(seed)
-    s = cfg.vision.image_size
-    images = torch.rand(1, cfg.num_cameras, 3, s, s, generator=g) * 2 - 1 if base is None else \
-        (base + jitter * torch.randn(base.shape, generator=g)).clamp(-1, 1)
-    mask = torch.zeros(1, cfg.max_token_len, dtype=torch.bool)
-    mask[0, :12] = True
-    tokens = torch.randint(0, cfg.vocab_size, (1, cfg.max_token_len), generator=torch.Generator().manual_seed(0))
-    return ModelInputs(images, torch.ones(1, cfg.num_cameras, dtype=torch.bool), tokens, mask)
 
 
 def _entry(model: Pi05Model, x: ModelInputs, rho_n: float, seed: int = 0) -> PreparedEntry:
@@ -54,8 +44,8 @@ def _run(engine, x, noise, entry=None):
 @pytest.fixture(scope="module")
 def scene(model):
     cfg = model.cfg
-    ref = _obs(cfg, 1)
-    cur = _obs(cfg, 2, base=ref.images, jitter=0.3)
+    ref = random_inputs(cfg, 1)
+    cur = random_inputs(cfg, 2, base=ref.images, jitter=0.3)
     noise = torch.randn(1, cfg.chunk_size, cfg.action_dim, generator=torch.Generator().manual_seed(3))
     return ref, cur, noise
 

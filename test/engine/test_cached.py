@@ -25,6 +25,7 @@ from vla_runtime.engine.dense import DenseEngine, ModelInputs
 from vla_runtime.models.config import preset
 from vla_runtime.models.gemma import GemmaMLP
 from vla_runtime.models.pi05 import Pi05Model, init_random_
+from vla_runtime.testing.observations import random_inputs
 
 U32 = 2.0 ** -24   # float32 unit roundoff
 
@@ -95,17 +96,6 @@ def plain_cached(model: Pi05Model, x: ModelInputs, noise: Tensor, entry: Prepare
     return model.denoise(prefix, noise, ffn=PlainAction(entry.masks, cache.groups) if cache.action_cache else None)
 
 
-def _obs(cfg, seed: int, base: Tensor | None = None, jitter: float = 0.0) -> ModelInputs:
-    g = torch.Generator().manual_seed(seed)
-    s = cfg.vision.image_size
-    images = torch.rand(1, cfg.num_cameras, 3, s, s, generator=g) * 2 - 1 if base is None else \
-        (base + jitter * torch.randn(base.shape, generator=g)).clamp(-1, 1)
-    mask = torch.zeros(1, cfg.max_token_len, dtype=torch.bool)
-    mask[0, :12] = True
-    tokens = torch.randint(0, cfg.vocab_size, (1, cfg.max_token_len), generator=torch.Generator().manual_seed(0))
-    return ModelInputs(images, torch.ones(1, cfg.num_cameras, dtype=torch.bool), tokens, mask)
-
-
 @pytest.fixture(scope="module")
 def setup():
     # std 0.1 instead of init_random_'s 0.02: with larger weights the FFNs carry a larger share of
@@ -113,8 +103,8 @@ def setup():
     # (with 0.02 a wrong mask moves them by ~1e-5 relative only).
     model = init_random_(Pi05Model(preset("pi05-tiny")), seed=7, std=0.1)
     cfg = model.cfg
-    ref = _obs(cfg, 1)
-    cur = _obs(cfg, 2, base=ref.images, jitter=0.3)
+    ref = random_inputs(cfg, 1)
+    cur = random_inputs(cfg, 2, base=ref.images, jitter=0.3)
     noise = torch.randn(1, cfg.chunk_size, cfg.action_dim, generator=torch.Generator().manual_seed(3))
     model.setup_caches(1)
     entry = reconstruct_entry(model, ("ep", 0), ref.images[0], ref.image_mask[0], ref.tokens[0], ref.token_mask[0],

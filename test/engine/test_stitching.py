@@ -95,6 +95,16 @@ def test_chunk_that_does_not_fit_is_refused_unchanged():
     assert _plan_rows(plan, 0, 10) == before
 
 
+def test_a_chunk_filling_the_ring_exactly_fits():
+    """The retained window is [floor, floor + capacity): capacity ticks fit, one more does not."""
+    plan = ActionPlan(2, capacity=6)
+    ReplaceStitcher().merge(plan, _chunk(range(6)), 0, 0)
+    assert plan.last_planned_tick() == 5 and plan.remaining(0) == 6
+    with pytest.raises(ValueError, match="capacity"):
+        ReplaceStitcher().merge(plan, _chunk(range(7)), 0, 0)
+    assert _plan_rows(plan, 0, 6) == [[float(i), 100.0 + i] for i in range(6)]
+
+
 def test_gap_between_chunks_is_none_not_interpolated():
     plan = ActionPlan(2, 32)
     s = FreezeStitcher(freeze_steps=0)
@@ -133,6 +143,7 @@ def test_empty_read_and_one_row_chunk():
     assert actions.shape == (0, 2) and actions.dtype == np.float64 and mask.shape == (0,)
     ReplaceStitcher().merge(plan, _chunk([7]), 3, 3)           # a chunk of one action is a chunk
     assert _plan_rows(plan, 3, 5) == [[7, 107], None]
+    assert plan.last_planned_tick() == 3 and plan.remaining(3) == 1 and plan.remaining(4) == 0
     actions, mask = plan.read(2, 5)
     assert actions.dtype == np.float64 and mask.tolist() == [False, True, False]
 
