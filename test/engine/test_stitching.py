@@ -131,6 +131,21 @@ def test_bad_arguments_are_named_in_the_error():
                         (lambda: FreezeStitcher().merge(plan, _chunk([1]), 0, 0, freeze=-1), "freeze must be")):
         with pytest.raises(ValueError, match=match):
             call()
+    for call, match in ((lambda: plan.action_at(1.5), "tick must be"), (lambda: plan.pop(1.5), "tick must be"),
+                        (lambda: plan.remaining(1.5), "now must be"),
+                        (lambda: BlendStitcher(-1), "blend_steps must be"),
+                        (lambda: FreezeStitcher(freeze_steps=-1), "freeze_steps must be"),
+                        (lambda: FreezeStitcher(post_freeze_blend=-1), "post_freeze_blend must be"),
+                        (lambda: FreezeStitcher().merge(plan, _chunk([1]), 0, 0), "freeze stitcher needs the number"),
+                        (lambda: StitchConfig(mode="lerp"), "stitch mode must be one of"),
+                        (lambda: StitchConfig(blend_steps=-1), "blend_steps must be"),
+                        (lambda: StitchConfig(freeze_steps=-1), "freeze_steps must be"),
+                        (lambda: StitchConfig(post_freeze_blend=-1), "post_freeze_blend must be"),
+                        (lambda: StitchConfig(ensemble_decay=-0.1), "ensemble_decay must be a finite number"),
+                        (lambda: s.merge(ActionPlan(2, 4), _chunk(range(6)), 0, 0),
+                         r"merge needs ticks 0..5 \(6 ticks\) but the plan holds 4")):
+        with pytest.raises(ValueError, match=match):
+            call()
     bad = _chunk([1, 2, 3])
     bad[2, 1] = np.nan
     with pytest.raises(ValueError, match=r"first at action 2, joint 1"):
