@@ -105,6 +105,7 @@ def test_config_is_validated(bad, match):
 
 def test_config_accepts_its_documented_edges_and_names_what_it_refuses():
     """Each bound is inclusive exactly where the message says (>= 0, >= 1, (0, 1])."""
+    assert SchedulerConfig(control_hz=0.5, chunk_size=1).control_hz == 0.5    # slow loops are loops too
     edge = SchedulerConfig(control_hz=50, chunk_size=1, max_obs_age_s=0.0, margin_ticks=0, latency_quantile=1.0,
                            latency_window=1, initial_latency_s=0.0, min_execute_ticks=0)
     assert (edge.chunk_size, edge.margin_ticks, edge.latency_window, edge.min_execute_ticks) == (1, 0, 1, 0)
@@ -150,8 +151,8 @@ def test_counters_count_every_event_and_the_edges_of_each_rule():
         assert not s.should_start(0, lead, True, obs_age_s=0.0)
     assert s.counters.skipped_stale_obs == 2 and s.counters.blocked_in_flight == 2
     for _ in range(2):                                         # two calls whose chunks arrive late
-        s.on_started(10, start_tick=12)
-        s.on_finished(13, 0.06)
+        s.on_started(10, start_tick=11)
+        s.on_finished(14, 0.06)
     s.on_started(20, start_tick=25)                            # the caller's start tick, not the estimate's
     s.on_finished(24, 0.04)                                    # (20 + 3 ticks): on time
     s.on_started(30, start_tick=33)
