@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup ros demo demo-synthetic bench test clean
+.PHONY: setup ros demo demo-synthetic bench test mutation mutations clean
 
 setup: $(STAMP)
 
@@ -68,6 +68,17 @@ bench: setup
 
 test: setup ros
 	$(PY) -m pytest test -q
+
+# Mutation testing of the core with mutmut (bench/mutation_score.py): each module mutated in its
+# own temporary copy against its fast tests; killed/total and the survivors per module in
+# out/mutation.json (docs/mutation.md). Long (tens of minutes per large module on 2 cores), so
+# not part of `make test`; MODULES="engine/safety.py ..." limits it.
+mutation: setup
+	$(PY) bench/mutation_score.py --out out/mutation.json $(foreach m,$(MODULES),--only $(m))
+
+# Issue 22's five deliberate bugs re-applied to a copy, each against the test that must catch it.
+mutations: setup
+	$(PY) bench/mutations.py --out out/mutations.json
 
 clean:
 	rm -rf $(VENV) out .pytest_cache build install log

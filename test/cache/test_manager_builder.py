@@ -158,10 +158,14 @@ def test_cli_build_cache_and_cache_bench(demo, tmp_path, capsys):
     assert main(["bench", "--cache", str(out), "--checkpoint", demo["checkpoint"], "--bags", demo["held_out"],
                  *cams, "--out", str(tmp_path / "b.json")]) == 0
     r = json.loads((tmp_path / "b.json").read_text())
-    assert r["calls"] > 0 and r["cached_calls"] > 0
+    held_out = [read_episode(b, demo_topics(CAMS), call_period=r["spec"]["call_period"])
+                for b in list_episode_bags(demo["held_out"])]
+    assert r["calls"] == sum(len(e.frames) for e in held_out)                    # one call per frame
+    assert 0 < r["cached_calls"] and r["cached_calls"] + sum(r["dense_reasons"].values()) == r["calls"]
     assert set(r["speedup"]) == {"vision", "prefill", "denoise", "total"}
-    assert r["deviation"]["mean_relative_l2"] is not None
-    assert r["memory"]["bytes_per_stored_call"] > 0
+    dev = r["deviation"]
+    assert 0 < dev["mean_relative_l2"] <= dev["worst_relative_l2"] < float("inf")   # cached calls differ from dense
+    assert r["memory"]["bytes_per_stored_call"] == ReferenceRepository.open(out).nbytes_per_call()["total"]
     # an existing repository is never overwritten
     assert main(["build-cache", "--checkpoint", demo["checkpoint"], "--bags", demo["references"], "--out", str(out),
                  *cams]) == 2

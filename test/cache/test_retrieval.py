@@ -282,3 +282,15 @@ def test_fallback_rule_words_each_part_that_is_on():
     assert "a first scene below the floor of 'open drawer' 0.99712" in fallback_rule(0.8, {"open drawer": 0.997123})
     assert fallback_rule(0.8, None, 1).endswith("; more than 1 match to a reference's last call (past the references)")
     assert fallback_rule(0.8, None, 3).endswith("; more than 3 matches to a reference's last call (past the references)")
+
+
+def test_similarity_filter_runs_before_the_joint_rerank():
+    """A visually poor candidate (cosine 0.47, below min_similarity 0.8) never wins the rerank,
+    however close its joint history: the query picks the 0.98 one with the farther history."""
+    h = torch.zeros(L, D)
+    good = unit(0.98, (1 - 0.98**2) ** 0.5)           # cosine 0.98 to unit(1)
+    poor = unit(0.47, 0, (1 - 0.47**2) ** 0.5)        # cosine 0.47 to unit(1)
+    entries = {("good", 0): (good, h + 1.0), ("poor", 0): (poor, h)}
+    m = retriever(matrix(entries), top_t=4, min_similarity=0.8).query(unit(1), h)
+    assert m is not None and m.key == ("good", 0)
+    assert m.similarity == pytest.approx(0.98, abs=1e-6) and m.joint_distance == pytest.approx(1.0, rel=1e-6)

@@ -236,7 +236,12 @@ def test_a_repository_built_by_eval_runs_at_profiled_ratios_unless_given(setup, 
         assert (repo["rho_p"], repo["rho_n"]) in points
         chosen = next(p for p in repo["profile"] if (p["rho_p"], p["rho_n"]) == (repo["rho_p"], repo["rho_n"]))
         assert chosen["mean_deviation"] <= spec.tolerance
-    assert ReferenceRepository.open(tmp_path / "out" / "repository", verify=False).meta.rho_n == repo["rho_n"]
+    built = ReferenceRepository.open(tmp_path / "out" / "repository", verify=False)
+    assert built.meta.rho_n == repo["rho_n"]
+    # the masks were profiled at that rho_n: K = ceil(rho_n * H) neurons per layer (an effect of
+    # the ratio, not its echo)
+    episode = built.episodes()[0].episode_id
+    assert built.load_call(episode, 0).masks.shape[-1] == math.ceil(repo["rho_n"] * preset("pi05-tiny").expert.mlp_dim)
     assert ("profiled on the reference episodes" in (tmp_path / "out" / "eval.md").read_text()) != given
     assert repo["ratios_from"] == ("given" if given else "profiled on the reference episodes")
     # the halves' timing: build-cache's own when it profiled, else eval's; in the repository either way

@@ -29,6 +29,29 @@ EPISODE = DATA / "episode"
 GOLDEN = DATA / "golden"
 
 
+# What a mismatch can mean, for the failure messages: regenerating the golden accepts whatever the
+# code computes now, so it is right only after the cause is known to be a deliberate change.
+DIGEST_MISMATCH = (
+    "Two causes give this: (a) a deliberate change of the recipe (make_demo, DemoSpec, init_random_, a "
+    "preset, the files save_checkpoint writes), or (b) a bug in writing the checkpoint, e.g. the public <-> "
+    "internal tensor mapping (models/checkpoint.py layout_groups: a swapped q/k/v changes the file, not "
+    "save-then-load). Tell them apart first: test/models/test_checkpoint_layout.py checks the mapping "
+    "against LeRobot's own listing independently of this golden and must pass; then load an old and a new "
+    "checkpoint's model.safetensors (safetensors.torch.load_file) and compare them tensor by tensor: a "
+    "deliberate change touches only what it meant to (config.json, or the tensors of the part it "
+    f"changed). Only for (a) run {DATA / 'make_golden.py'}.")
+GOLDEN_DRIFT = (
+    "The chunks drifted from the golden while the checkpoint file is the same one, so the computation "
+    "changed: (a) on purpose (new rounding, a preprocessing fix) or (b) a bug in the engine or the "
+    "preprocessing. Tell them apart from the earliest stage on: test/models (preprocess, tokenizer, "
+    "checkpoint layout) first, then the dense engine's own tests (test/engine/test_dense.py) and the "
+    "LeRobot parity oracle (bench/lerobot_parity.py, in its own venv: vision tokens, then prefill K/V, "
+    "then the denoised actions, in that order: the first intermediate that differs names the stage). A "
+    "deliberate change "
+    "moves the drift by about its own rounding (1e-7..1e-5 here); a bug usually by much more (the random "
+    f"demo policy's actions move ~5e-5 between camera frames). Only for (a) run {DATA / 'make_golden.py'}.")
+
+
 def _load_recipe():
     spec = importlib.util.spec_from_file_location("replay_make_golden", DATA / "make_golden.py")
     module = importlib.util.module_from_spec(spec)
@@ -47,7 +70,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory, recipe) -> Path:
     expected = json.loads((DATA / "golden.json").read_text())["checkpoint_digest"]
     got = recipe.checkpoint_digest(ckpt)
     assert got == expected, (f"the demo checkpoint recipe no longer builds the checkpoint the golden was made with "
-                             f"({got} != {expected}); if make_demo changed on purpose, run {DATA / 'make_golden.py'}")
+                             f"({got} != {expected}). {DIGEST_MISMATCH}")
     return ckpt
 
 
@@ -67,7 +90,7 @@ def test_replay_matches_the_committed_golden(tmp_path: Path, checkpoint: Path, c
     # demo policy's actions move by only ~5e-5 between two different camera frames.
     rc, _ = _replay(tmp_path, "--checkpoint", str(checkpoint), "--golden", str(GOLDEN), "--tolerance", "1e-5")
     captured = capsys.readouterr()
-    assert rc == 0, captured.err
+    assert rc == 0, f"{captured.err}\n{GOLDEN_DRIFT}"
     summary = json.loads(captured.out)
     assert summary["calls"] == 2 and summary["chunk_shape"] == [10, 7]
     assert summary["drift"] is False and summary["max_abs_diff"] <= 1e-5

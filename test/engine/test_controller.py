@@ -20,7 +20,8 @@ def test_request_merge_execute_cycle():
     assert not c.on_chunk(5, chunk, now=2, latency_s=0.04)    # unknown call: ignored
     assert c.on_chunk(0, chunk, now=2, latency_s=0.04)
     cmd = c.tick(2)
-    np.testing.assert_allclose(cmd.action, chunk[0]) and cmd.status == "ok"
+    np.testing.assert_allclose(cmd.action, chunk[0])
+    assert cmd.status == "ok"
     first, upcoming = c.upcoming(3)
     assert first == 3 and upcoming.shape == (9, 2)
     np.testing.assert_allclose(upcoming[0], chunk[1])

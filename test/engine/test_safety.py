@@ -205,3 +205,68 @@ def test_watchdog_finish_chunk_still_waits_for_the_first_chunk_and_counts_stalen
     assert all(wd.check(t) for t in range(1, 8))
     assert wd.stale_ticks == 1 + 4 and wd.held_ticks == 1 and wd.stale_events == 1
     assert wd.is_stale(8) and not wd.is_stale(3)
+
+
+# ---------------------------------------------------------------------- found by mutation testing
+
+
+def test_rate_limit_steps_from_where_the_arm_is_not_from_zero():
+    """From a non-zero position each joint moves at most vmax * dt towards the target; a joint
+    within its step keeps its exact target."""
+    f = _filter(vmax=[1.0, 1.0, 1.0], initial=(0.5, 1.0, 0.3))          # step 0.02 per tick
+    cmd = f.filter(np.array([0.9, -1.0, 0.31]), tick=1)
+    np.testing.assert_allclose(cmd.action, [0.52, 0.98, 0.31], rtol=0, atol=1e-12)
+    assert cmd.status == "rate_limited" and cmd.tick == 1
+    assert cmd.reason == "step limited to max_velocity in joints [0, 1]"
+    cmd = f.filter(np.array([2.0, -1.0, 0.31]), tick=2)                 # clamped and rate limited
+    assert cmd.reason == "clamped to joint limits in joints [0]; step limited to max_velocity in joints [0, 1]"
+
+
+def test_initial_state_outside_the_limits_is_held_at_the_nearest_limit():
+    f = _filter(initial=(-5.0, 5.0, -1.0))
+    cmd = f.filter(None, tick=3)
+    np.testing.assert_array_equal(cmd.action, [-1.0, 2.0, 0.0])
+    assert cmd.status == "held" and cmd.tick == 3
+    assert f.filter(np.array([np.nan, 0.0, 0.0]), tick=4).tick == 4
+    assert f.counts["held"] == 2
+
+
+def test_limits_are_inclusive_read_only_and_refusals_name_the_joint():
+    lim = _limits([1.0, 1.0, np.inf])
+    assert lim.contains(lim.lower) and lim.contains(lim.upper)
+    for arr in (lim.upper, lim.max_velocity):
+        with pytest.raises(ValueError):
+            arr[0] = 5.0
+    with pytest.raises(ValueError, match=r"not so for joints \[1\]"):
+        JointLimits.from_lists([0.0, 1.0], [1.0, 1.0])
+    for args, match in ((([0.0], [[1.0]]), "upper must be a non-empty 1-D array"),
+                        (([[0.0]], [1.0]), "lower must be a non-empty 1-D array"),
+                        (([0.0], [1.0], [[1.0]]), "max_velocity must be a non-empty 1-D array"),
+                        (([0.0], [np.inf]), "joint limits must be finite"),
+                        (([0.0], [1.0], [0.0]), r"max_velocity must be > 0 for every joint \(inf = not limited\)")):
+        with pytest.raises(ValueError, match=match):
+            JointLimits.from_lists(*args)
+    for call, match in ((lambda: SafetyFilter(_limits(), 0.0), "dt must be a positive number of seconds, got 0.0"),
+                        (lambda: SafetyFilter([[-1, 1]], DT), "limits must be a JointLimits, got list"),
+                        (lambda: Watchdog(0.0, DT), "deadline_s must be a positive number of seconds"),
+                        (lambda: Watchdog(0.1, -1.0), "dt must be a positive number of seconds"),
+                        (lambda: SafeCommand(np.array([np.nan]), "ok", "", 0),
+                         "a SafeCommand's action must be a finite 1-D array"),
+                        (lambda: _filter().set_initial(np.array([np.nan, 0.0, 0.0])),
+                         "initial state contains NaN/Inf; cannot hold a non-finite position"),
+                        (lambda: SafetyFilter(_limits(), DT).filter(None, 0),
+                         r"SafetyFilter has no reference state: call set_initial\(robot_state\) before the first")):
+        with pytest.raises((ValueError, RuntimeError), match=match):
+            call()
+
+
+def test_watchdog_counts_from_a_fresh_start():
+    w = Watchdog(0.1, DT)                       # fresh for 5 ticks after a chunk
+    assert w.max_age_ticks == 0 and w.stale_events == 0
+    w.on_chunk(0)
+    w.on_chunk(0)                               # a second chunk at the same tick is fine
+    assert w.check(9) is False and w.stale_events == 1 and w.max_age_ticks == 9
+    w.on_chunk(10)
+    assert w.check(20) is False and w.stale_events == 2
+    with pytest.raises(ValueError, match="tick 5 is before the newest chunk's tick 10"):
+        w.age_ticks(5)

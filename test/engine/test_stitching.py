@@ -95,6 +95,16 @@ def test_chunk_that_does_not_fit_is_refused_unchanged():
     assert _plan_rows(plan, 0, 10) == before
 
 
+def test_a_chunk_filling_the_ring_exactly_fits():
+    """The retained window is [floor, floor + capacity): capacity ticks fit, one more does not."""
+    plan = ActionPlan(2, capacity=6)
+    ReplaceStitcher().merge(plan, _chunk(range(6)), 0, 0)
+    assert plan.last_planned_tick() == 5 and plan.remaining(0) == 6
+    with pytest.raises(ValueError, match="capacity"):
+        ReplaceStitcher().merge(plan, _chunk(range(7)), 0, 0)
+    assert _plan_rows(plan, 0, 6) == [[float(i), 100.0 + i] for i in range(6)]
+
+
 def test_gap_between_chunks_is_none_not_interpolated():
     plan = ActionPlan(2, 32)
     s = FreezeStitcher(freeze_steps=0)
@@ -104,6 +114,53 @@ def test_gap_between_chunks_is_none_not_interpolated():
     assert plan.remaining(1) == 2
     mask = plan.read(1, 8)[1]
     assert mask.tolist() == [True, True, False, False, True, True, False]
+
+
+def test_bad_arguments_are_named_in_the_error():
+    """Each refusal names the offending argument or position (found by mutation testing: the
+    messages were not checked)."""
+    plan = ActionPlan(2, 16)
+    s = ReplaceStitcher()
+    for call, match in ((lambda: plan.read(0.5, 2), "start must be"), (lambda: plan.read(0, 2.5), "stop must be"),
+                        (lambda: plan.read(3, 2), r"read range \[3, 2\) is reversed"),
+                        (lambda: s.merge(plan, _chunk([1]), 1.0, 0), "start_tick must be"),
+                        (lambda: s.merge(plan, _chunk([1]), 0, 1.0), "now must be"),
+                        (lambda: s.merge({}, _chunk([1]), 0, 0), "plan must be an ActionPlan, got dict"),
+                        (lambda: s.merge(plan, _chunk([1, 2]).astype(np.complex128), 0, 0),
+                         "real-valued, got dtype complex128"),
+                        (lambda: FreezeStitcher().merge(plan, _chunk([1]), 0, 0, freeze=-1), "freeze must be")):
+        with pytest.raises(ValueError, match=match):
+            call()
+    for call, match in ((lambda: plan.action_at(1.5), "tick must be"), (lambda: plan.pop(1.5), "tick must be"),
+                        (lambda: plan.remaining(1.5), "now must be"),
+                        (lambda: BlendStitcher(-1), "blend_steps must be"),
+                        (lambda: FreezeStitcher(freeze_steps=-1), "freeze_steps must be"),
+                        (lambda: FreezeStitcher(post_freeze_blend=-1), "post_freeze_blend must be"),
+                        (lambda: FreezeStitcher().merge(plan, _chunk([1]), 0, 0), "freeze stitcher needs the number"),
+                        (lambda: StitchConfig(mode="lerp"), "stitch mode must be one of"),
+                        (lambda: StitchConfig(blend_steps=-1), "blend_steps must be"),
+                        (lambda: StitchConfig(freeze_steps=-1), "freeze_steps must be"),
+                        (lambda: StitchConfig(post_freeze_blend=-1), "post_freeze_blend must be"),
+                        (lambda: StitchConfig(ensemble_decay=-0.1), "ensemble_decay must be a finite number"),
+                        (lambda: s.merge(ActionPlan(2, 4), _chunk(range(6)), 0, 0),
+                         r"merge needs ticks 0..5 \(6 ticks\) but the plan holds 4")):
+        with pytest.raises(ValueError, match=match):
+            call()
+    bad = _chunk([1, 2, 3])
+    bad[2, 1] = np.nan
+    with pytest.raises(ValueError, match=r"first at action 2, joint 1"):
+        s.merge(plan, bad, 0, 0)
+
+
+def test_empty_read_and_one_row_chunk():
+    plan = ActionPlan(2, 16)
+    actions, mask = plan.read(4, 4)
+    assert actions.shape == (0, 2) and actions.dtype == np.float64 and mask.shape == (0,)
+    ReplaceStitcher().merge(plan, _chunk([7]), 3, 3)           # a chunk of one action is a chunk
+    assert _plan_rows(plan, 3, 5) == [[7, 107], None]
+    assert plan.last_planned_tick() == 3 and plan.remaining(3) == 1 and plan.remaining(4) == 0
+    actions, mask = plan.read(2, 5)
+    assert actions.dtype == np.float64 and mask.tolist() == [False, True, False]
 
 
 # ---------------------------------------------------------------------- replace

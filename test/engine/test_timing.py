@@ -16,13 +16,22 @@ def test_summary_of_nothing_is_all_none_so_a_report_still_writes():
     assert summarize([]) == {"n": 0, "mean": None, "p50": None, "p90": None, "max": None}
 
 
-def test_phase_timer_adds_up_repeated_phases():
+def test_phase_timer_adds_up_repeated_phases(monkeypatch):
+    """A fake clock that advances by known amounts inside each phase: the timer must add exactly
+    those (a timer recording zeros, or the time between phases, fails)."""
+    import vla_runtime.engine.timing as timing
+
+    now = [100.0]
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: now[0])
+
+    def spend(seconds: float) -> None:
+        now[0] += seconds
+
     timer = PhaseTimer()
-    for _ in range(2):
+    for seconds in (1.5, 2.0):
         with timer.phase("denoise"):
-            pass
+            spend(seconds)
+        spend(10.0)                          # between phases: counted nowhere
     with timer.phase("vision"):
-        pass
-    times = timer.times.as_dict()
-    assert set(times) == {"denoise", "vision", "total"}
-    assert times["total"] == pytest.approx(times["denoise"] + times["vision"])
+        spend(0.25)
+    assert timer.times.as_dict() == {"denoise": 3.5, "vision": 0.25, "total": 3.75}

@@ -33,8 +33,11 @@ def no_cupy(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", None)  # `import cupy` raises ImportError
 
 
-def _fake_cupy(devices: int = 1, compile_error: str | None = None, runtime_error: str | None = None):
-    """Just enough of CuPy's surface for the loader's probing and compiling paths."""
+def _fake_cupy(devices: int = 1, compile_error: str | None = None, runtime_error: str | None = None,
+               compiled: list[str] | None = None):
+    """Just enough of CuPy's surface for the loader's probing and compiling paths. It compiles
+    nothing: ``compiled`` collects the source texts ``compile()`` was called on (what the loader
+    asked for); whether those texts compile is test_nvcc_compile.py's job, with the real nvcc."""
 
     def count():
         if runtime_error:
@@ -48,6 +51,8 @@ def _fake_cupy(devices: int = 1, compile_error: str | None = None, runtime_error
         def compile(self):
             if compile_error:
                 raise RuntimeError(compile_error)
+            if compiled is not None:
+                compiled.append(self.code)
 
         def get_function(self, name):
             if f"void {name.rsplit('_', 1)[0]}_##SUFFIX(" not in self.code:  # declared through the dtype macro
@@ -85,11 +90,17 @@ def test_cupy_without_a_device_selects_torch(monkeypatch):
     assert "cudaErrorNoDevice" in backend.reason
 
 
-def test_cupy_with_a_device_selects_cupy_and_compiles_every_module(monkeypatch):
-    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy())
+def test_cupy_with_a_device_selects_cupy_and_asks_it_to_compile_every_module(monkeypatch):
+    """The loader hands CuPy each module's full text (headers inlined) and compiles it before
+    reporting the backend usable. The fake compiles nothing, so this checks the loader's side
+    only; the same texts go through the real nvcc in test_nvcc_compile.py::test_loader_text_compiles."""
+    compiled: list[str] = []
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(compiled=compiled))
     backend = kernels.kernel_backend(device=0, compile_kernels=True)
     assert backend.name == "cupy", backend.reason
     assert "CuPy 0.fake" in backend.reason and "Fake GPU" in backend.reason and "compiled" in backend.reason
+    assert sorted(compiled) == sorted(loader.read_source(m, ROOT / "cuda") for m in loader.MODULES)
+    assert not any(re.search(r'^\s*#\s*include\s+"', code, re.MULTILINE) for code in compiled)   # headers inlined
     for module, source in loader.MODULES.items():
         names = re.findall(r"void (\w+)_##SUFFIX\(", (ROOT / "cuda" / source).read_text())
         for name in names:

@@ -169,8 +169,8 @@ def test_sharded_checkpoint(tmp_path: Path, ckpt: Path, tiny_model: Pi05Model):
 
 def test_full_size_layout_matches_lerobot_reference(tmp_path: Path):
     """The full pi05 preset expects exactly LeRobot's 813 tensors and 4,143,404,816 elements
-    (shared/reference/pi05_lerobot_layout.txt), and the architecture is read back from a
-    LeRobot-style config.json plus the tensor shapes alone."""
+    (test/data/pi05_lerobot_layout.txt; test_checkpoint_layout.py checks it name by name), and the
+    architecture is read back from a LeRobot-style config.json plus the tensor shapes alone."""
     cfg = preset("pi05")
     shapes = public_shapes(cfg)
     assert len(shapes) == 813

@@ -32,6 +32,13 @@ class ReferenceOracle:
     computes from that reference does not. So the oracle reconstructs the reported entry from the
     repository itself (``reconstruct_entry`` on its own model) and runs the cached engine with
     the halves the call used; a call that read a stale or torn working set would differ.
+
+    It runs the same ``CachedEngine`` the pipeline runs, so by itself it could not see a bug in
+    the caches' arithmetic (both sides would share it): these tests check the processes, the
+    hand-offs and the reference bookkeeping. The engine itself is checked independently first:
+    test/engine/test_cached.py compares ``CachedEngine`` with the Context Cache's recompute rule
+    and the Action Cache's Eq. 4 written directly in torch from the model's weights (pi05-tiny),
+    so the comparison here rests on an engine verified against plain formulas.
     """
 
     def __init__(self, demo: dict, seed: int, rho_p: float = 0.4):

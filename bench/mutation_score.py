@@ -1,0 +1,133 @@
+"""Mutation score of the core modules with mutmut, module by module, each in its own copy.
+
+For every module named below, the checkout (tracked and untracked-but-not-ignored files) is
+copied to a temporary folder, a ``setup.cfg`` there tells mutmut to mutate only that module and
+to run only that module's fast tests, and ``mutmut run`` goes over it with a time limit. The
+worktree is never mutated. Results per module (killed / total, survivors with their diffs) go
+to ``--out`` as JSON; a module cut by its time limit is reported as such, with what it had.
+
+    python bench/mutation_score.py --out out/mutation.json            # every module (hours on 2 cores)
+    python bench/mutation_score.py --only engine/safety.py --limit-s 1200
+
+``make mutation`` runs it (not part of ``make test``). Killed counts mutmut's "killed" and
+"timeout" (the tests stopped the mutant); survived is what no test noticed. docs/mutation.md
+holds the last figures and the survivors argued equivalent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mutations import REPO, copy_repo  # noqa: E402  (the same copy of the checkout)
+
+# module (under vla_runtime/) -> its fast tests; smallest modules first
+MODULES: dict[str, tuple[str, ...]] = {
+    "cache/context_cache.py": ("test/cache/test_dual_cache.py", "test/engine/test_cached.py"),
+    "cache/masks.py": ("test/cache/test_dual_cache.py", "test/engine/test_cached.py"),
+    "cache/action_cache.py": ("test/cache/test_dual_cache.py", "test/engine/test_cached.py"),
+    "cache/entry.py": ("test/cache/test_dual_cache.py",),
+    "cache/selector.py": ("test/cache/test_selector.py",),
+    "models/layers.py": ("test/models/test_pi05.py", "test/kernels/test_fallback.py"),
+    "engine/scheduler.py": ("test/engine/test_scheduler.py",),
+    "engine/safety.py": ("test/engine/test_safety.py",),
+    "cache/window.py": ("test/cache/test_window.py",),
+    "cache/halves.py": ("test/cache/test_halves.py",),
+    "cache/half_profile.py": ("test/cache/test_half_profile.py",),
+    "cache/manager.py": ("test/cache/test_manager_builder.py",),
+    "cache/builder.py": ("test/cache/test_manager_builder.py", "test/cache/test_builder_dataset.py"),
+    "cache/retrieval.py": ("test/cache/test_retrieval.py",),
+    "engine/stitching.py": ("test/engine/test_stitching.py",),
+    "models/checkpoint.py": ("test/models/test_checkpoint.py", "test/models/test_checkpoint_layout.py"),
+    "cache/repository.py": ("test/cache/test_repository.py",),
+    "ipc/ring.py": ("test/ipc/test_ring.py",),
+}
+# The hypothesis property tests (test/engine/test_properties.py, test/ipc/test_ring_properties.py)
+# are left out: hundreds of examples per mutant would multiply the run time; they are run on the
+# survivors by hand (docs/mutation.md).
+KILLED = {"killed", "timeout"}
+
+
+def setup_cfg(module: str, tests: tuple[str, ...]) -> str:
+    lines = ["[mutmut]", "source_paths = vla_runtime/", f"only_mutate = vla_runtime/{module}",
+             "pytest_add_cli_args_test_selection ="] + [f"    {t}" for t in tests]
+    lines += ["also_copy =", "    pytest.ini", "    config/", "    cuda/", "    checkpoints/",
+              "process_isolation = forkserver", ""]
+    return "\n".join(lines)
+
+
+def statuses(root: Path) -> dict[str, str]:
+    """mutant name -> status, from ``mutmut results --all true`` (one ``name: status`` a line)."""
+    out = subprocess.run([sys.executable, "-m", "mutmut", "results", "--all", "true"], cwd=root,
+                         capture_output=True, text=True).stdout
+    result = {}
+    for line in out.splitlines():
+        name, sep, status = line.strip().rpartition(": ")
+        if sep and name:
+            result[name] = status.strip()
+    return result
+
+
+def diff(root: Path, mutant: str) -> str:
+    return subprocess.run([sys.executable, "-m", "mutmut", "show", mutant], cwd=root, capture_output=True,
+                          text=True).stdout
+
+
+def score(module: str, tests: tuple[str, ...], limit_s: float, children: int) -> dict:
+    with tempfile.TemporaryDirectory(prefix="mutmut_") as tmp:
+        root = Path(tmp)
+        copy_repo(root)
+        (root / "setup.cfg").write_text(setup_cfg(module, tests))
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ""}
+        t0 = time.monotonic()
+        try:
+            subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", str(children)], cwd=root,
+                           env=env, capture_output=True, text=True, timeout=limit_s)
+            finished = True
+        except subprocess.TimeoutExpired:
+            finished = False
+        seconds = round(time.monotonic() - t0)
+        st = statuses(root)
+        counts: dict[str, int] = {}
+        for s in st.values():
+            counts[s] = counts.get(s, 0) + 1
+        tested = {n: s for n, s in st.items() if s not in ("not checked", "skipped")}
+        killed = sum(s in KILLED for s in tested.values())
+        survivors = sorted(n for n, s in tested.items() if s == "survived")
+        return {"module": module, "tests": list(tests), "finished": finished, "seconds": seconds,
+                "counts": counts, "total": len(st), "tested": len(tested), "killed": killed,
+                "score": round(killed / len(tested), 4) if tested else None,
+                "survivors": {n: diff(root, n) for n in survivors}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", action="append", default=[], help="module(s) under vla_runtime/, e.g. engine/safety.py")
+    ap.add_argument("--limit-s", type=float, default=1800.0, help="time limit per module")
+    ap.add_argument("--children", type=int, default=2, help="mutants tested at once")
+    ap.add_argument("--out", type=Path, default=REPO / "out" / "mutation.json")
+    args = ap.parse_args()
+    unknown = [m for m in args.only if m not in MODULES]
+    if unknown:
+        raise SystemExit(f"unknown module(s) {unknown}; known: {sorted(MODULES)}")
+    report = json.loads(args.out.read_text()) if args.out.exists() else {}
+    for module, tests in MODULES.items():
+        if args.only and module not in args.only:
+            continue
+        r = score(module, tests, args.limit_s, args.children)
+        report[module] = r
+        print(f"{module}: {r['killed']}/{r['tested']} killed ({r['score']}), {len(r['survivors'])} survived, "
+              f"{'finished' if r['finished'] else 'cut by the time limit'} in {r['seconds']} s", flush=True)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
