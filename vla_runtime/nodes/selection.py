@@ -64,6 +64,7 @@ class WindowSelector:
         self.name = working_set
         self.first_search_wait_s = first_search_wait_s
         self.episode_t0 = 0.0          # monotonic time of the episode's first call
+        self.episode_ready: dict = {}  # the window state that says this episode's initial window is complete
         self.partial_first_searches = 0   # first searches run on an incomplete window (the wait ran out)
         self.episodes = {t: {r.episode_id: r.num_calls for r in repo.episodes(t)} for t in repo.tasks()}
         layout = repo.call_layout or {}
@@ -83,6 +84,7 @@ class WindowSelector:
             self.episode_key = (task, episode)
             self.selector.start_episode(task)
             self.episode_t0 = time.monotonic()
+            self.episode_ready = window_state(task, episode, True)
         self.selector.observe_state(torch.as_tensor(np.asarray(state, dtype=np.float32)))
         if task not in self.episodes:
             return Choice(Selection(request_seq, task, episode, None,
@@ -93,7 +95,7 @@ class WindowSelector:
         assert self.mirror is not None and self.reader is not None
         self.mirror.follow_task(task, self.episodes[task])
         self.mirror.refresh()
-        if not self.selector.candidate_episodes() and self.mirror.window != window_state(task, episode, True):
+        if not self.selector.candidate_episodes() and self.mirror.window != self.episode_ready:
             if time.monotonic() - self.episode_t0 < self.first_search_wait_s:
                 return Choice(Selection(request_seq, task, episode, None,
                                         reason=f"initial window still being prepared (the episode's first search "
