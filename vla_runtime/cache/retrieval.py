@@ -29,6 +29,7 @@ from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -146,6 +147,17 @@ class CandidateMatrix:
     def episode_code(self) -> Tensor:
         """[len] each candidate's episode code (a view)."""
         return self._codes_by_row[: len(self.keys)]
+
+    @property
+    def episode_code_np(self) -> np.ndarray:
+        """``episode_code`` as numpy (a view on CPU): the query's small reductions run in numpy,
+        where an operation costs about a microsecond instead of a torch dispatch's ten."""
+        return self.episode_code.cpu().numpy()
+
+    @property
+    def histories_np(self) -> np.ndarray:
+        """``histories`` as numpy (a view on CPU)."""
+        return self.histories.cpu().numpy()
 
     @property
     def history_len(self) -> int:
@@ -304,6 +316,13 @@ class Retriever:
             self.stats.hits += 1
         return match
 
+    @staticmethod
+    def _similarities(pack: CandidateMatrix, features: Tensor) -> np.ndarray:
+        """[len] cosine similarity of the query to each candidate (rows are unit vectors), float32
+        numpy: the one product runs where the matrix lives, the rest of the query on the host."""
+        q = features.detach().reshape(-1).to(pack.device, torch.float32)
+        return (pack.features @ q).div_(q.norm().clamp_min(1e-12)).cpu().numpy()
+
     def _query(self, features: Tensor, state_history: Tensor) -> Match | None:
         if self.stalled or self.fallback:
             return None                     # latched for the episode; reason already set (stall: till reset)
@@ -328,27 +347,28 @@ class Retriever:
         if len(pack) == 0:
             self.reason = "no prepared candidates"
             return None
-        q = features.detach().reshape(-1).to(pack.device, torch.float32)
-        sims = (pack.features @ q).div_(q.norm().clamp_min(1e-12))   # [len], cosine (rows are unit vectors)
+        sims = self._similarities(pack, features)                 # -inf from here on: not eligible
+        sims[np.isnan(sims)] = -math.inf
         if self._episodes:
-            codes = torch.tensor([pack.code(e) for e in self._episodes], device=pack.device)
-            sims = sims.masked_fill(~torch.isin(pack.episode_code, codes), -math.inf)
-        n_eligible = int(torch.isfinite(sims).sum())
-        if n_eligible == 0:
+            codes = [pack.code(e) for e in self._episodes]
+            followed = np.zeros(len(pack.episode_of_code) + 1, dtype=bool)   # the last: code -1 (no row)
+            followed[codes] = True
+            sims[~followed[pack.episode_code_np]] = -math.inf
+        eligible = int(np.isfinite(sims).sum())
+        if eligible == 0:
             self.reason = "no prepared candidates"
             return None
 
         first_search = not self._episodes
         if first_search:
             # First search of the episode: top-T episodes by their best-matching entry.
-            n_codes = len(pack.episode_of_code)
-            best_per_episode = torch.full((n_codes,), -math.inf, device=pack.device).scatter_reduce(
-                0, pack.episode_code.clamp_min(0), sims, reduce="amax")
-            n_eps = int(torch.isfinite(best_per_episode).sum())
-            top_eps = best_per_episode.topk(min(cfg.top_t, n_eps)).indices.tolist()
-            self._episodes = [pack.episode_of_code[c] for c in top_eps]
+            best_per_episode = np.full(len(pack.episode_of_code), -math.inf, dtype=sims.dtype)
+            np.maximum.at(best_per_episode, np.maximum(pack.episode_code_np, 0), sims)
+            n_eps = int(np.isfinite(best_per_episode).sum())
+            self._episodes = [pack.episode_of_code[c] for c in _top(best_per_episode, min(cfg.top_t, n_eps))]
 
-        values, idx = sims.topk(min(cfg.top_t, n_eligible))
+        idx = _top(sims, min(cfg.top_t, eligible))
+        values = sims[idx]
         best = float(values[0])
         self.stats.last_similarity = best
         floor = cfg.first_call_floor.get(self.task) if first_search else None
@@ -364,9 +384,9 @@ class Retriever:
         keep = values >= cfg.min_similarity          # never rerank onto a visually poor match
         values, idx = values[keep], idx[keep]
 
-        cur = state_history[-cfg.history_len:].detach().to(pack.device, torch.float32)
-        diff2 = (pack.histories[idx, -cfg.history_len:] - cur).square()       # [k, L, D]
-        dist = torch.stack([diff2[:, :, a:b].mean(dim=(1, 2)).sqrt() for a, b in arms], dim=1).amax(dim=1)
+        cur = state_history[-cfg.history_len:].detach().to("cpu", torch.float32).numpy()
+        diff2 = np.square(pack.histories_np[idx, -cfg.history_len:] - cur)       # [k, L, D]
+        dist = np.stack([np.sqrt(diff2[:, :, a:b].mean(axis=(1, 2))) for a, b in arms], axis=1).max(axis=1)
         j = int(dist.argmin())                                     # ties: the visually closer one
         episode_id, index = pack.keys[int(idx[j])]
         match = Match(episode_id, index, float(values[j]), float(dist[j]))
@@ -390,6 +410,11 @@ class Retriever:
             return None
         self.reason = ""
         return match
+
+
+def _top(values: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the ``k`` largest ``values``, largest first (ties: the lower index first)."""
+    return np.argsort(-values, kind="stable")[:k]
 
 
 def fallback_rule(min_similarity: float, floors: Mapping[str, float] | None, max_end_matches: int = 0) -> str:
