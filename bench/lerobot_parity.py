@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from vla_runtime.engine.dense import DenseEngine, ModelInputs  # noqa: E402
 from vla_runtime.models.checkpoint import load_checkpoint  # noqa: E402
-from vla_runtime.commands.bench import gemm_gflops  # noqa: E402
+from vla_runtime.engine.timing import gemm_gflops  # noqa: E402
 from vla_runtime.models.flops import denoise_flops, prefill_flops, vision_flops  # noqa: E402
 
 LEROBOT_PY = "/root/.pyenv/versions/3.12.1/bin/python3.12"

@@ -13,13 +13,13 @@ import platform
 import resource
 import statistics
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..engine.dense import DenseEngine, ModelInputs
+from ..engine.timing import gemm_gflops
 from ..models.checkpoint import load_checkpoint
 from ..models.config import Pi05Config, preset
 from ..models.flops import denoise_flops, prefill_flops, vision_flops
@@ -53,25 +53,6 @@ class BenchSpec:
         if self.prompt_tokens < 1:
             raise ValueError("prompt_tokens must be >= 1")
         return self
-
-
-def gemm_gflops(n: int, dtype: torch.dtype, device: str, repeats: int = 3) -> float:
-    """Throughput of a large square matmul: the practical ceiling for this machine and dtype."""
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    best = float("inf")
-    for _ in range(repeats + 1):
-        _sync(device)
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        _sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n ** 3 / best / 1e9
-
-
-def _sync(device: str) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
 
 
 def peak_memory_mb(device: str) -> float:

@@ -53,3 +53,22 @@ def summarize(values: list[float], quantiles: tuple[float, ...] = (0.5, 0.9)) ->
     if not arr.size:
         return {"n": 0, "mean": None, **qs, "max": None}
     return {"n": int(arr.size), "mean": float(arr.mean()), **qs, "max": float(arr.max())}
+
+
+def gemm_gflops(n: int, dtype: torch.dtype, device: str, repeats: int = 3) -> float:
+    """Throughput of a large square matmul: the practical ceiling for this machine and dtype."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        _sync(device)
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best / 1e9
+
+
+def _sync(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()

@@ -2,8 +2,8 @@
 the CPU otherwise, so one profile (and one launch file) starts on a workstation and on a laptop.
 
 On the CPU fallback the node says what latency to expect, before the robot waits on a first
-call: the checkpoint's floating-point work per call (``tools.flops``) over this CPU's measured
-matrix-multiply throughput (``tools.bench.gemm_gflops``, a fraction of a second). Real calls run
+call: the checkpoint's floating-point work per call (``models.flops``) over this CPU's measured
+matrix-multiply throughput (``engine.timing.gemm_gflops``, a fraction of a second). Real calls run
 below the GEMM ceiling, so the figure is a lower bound, stated as such.
 """
 
@@ -59,6 +59,6 @@ def cpu_latency_note(cfg: Pi05Config, cameras: int, gflops: float, control_hz: f
 
 def measured_cpu_gflops(dtype) -> float:
     """This CPU's matrix-multiply rate in ``dtype`` (about 0.1 s)."""
-    from ..commands.bench import gemm_gflops
+    from ..engine.timing import gemm_gflops
 
     return gemm_gflops(384, dtype, "cpu", repeats=2)
