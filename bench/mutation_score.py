@@ -30,7 +30,8 @@ from mutations import REPO, copy_repo  # noqa: E402  (the same copy of the check
 
 # module (under vla_runtime/) -> its fast tests; smallest modules first
 MODULES: dict[str, tuple[str, ...]] = {
-    "cache/context_cache.py": ("test/cache/test_dual_cache.py", "test/engine/test_cached.py"),
+    "cache/context_cache.py": ("test/cache/test_context_cache.py", "test/cache/test_dual_cache.py",
+                               "test/engine/test_cached.py"),
     "cache/masks.py": ("test/cache/test_masks.py", "test/cache/test_dual_cache.py", "test/engine/test_cached.py"),
     "cache/action_cache.py": ("test/cache/test_dual_cache.py", "test/engine/test_cached.py"),
     "cache/entry.py": ("test/cache/test_entry.py", "test/cache/test_dual_cache.py"),
