@@ -381,7 +381,7 @@ def test_candidates_of_the_chosen_episodes_all_gone_is_not_a_fallback():
     assert r.query(unit(1), h) is None
     assert r.reason == "no prepared candidates" and r.fallback is False
     m.put(("a", 1), unit(1), h)
-    assert r.query(unit(1), h).key == ("a", 1)
+    assert r.query(unit(1), h).key == ("a", 1) and r.reason == ""      # a match clears the last reason
 
 
 def test_query_shape_errors_name_both_sides():
@@ -481,3 +481,36 @@ def test_first_call_floors_on_unnormalised_features_of_several_tasks(tmp_path):
     assert set(packs.packs) == {"open drawer"}
     assert {e for e, _ in packs.candidates("open drawer").keys} == {"d0", "d1"}
     assert {e for e, _ in candidates_from_repository(repo).candidates(TASK).keys} == {"e0", "e1", "e2"}
+
+
+def test_matrix_dimensions_accept_one_and_name_what_they_refuse():
+    CandidateMatrix(1, 1, 1, 1)
+    for i, name in enumerate(("capacity", "feature_dim", "history_len", "state_dim")):
+        for bad in (0, "2"):
+            dims = [2, 2, 2, 2]
+            dims[i] = bad
+            with pytest.raises(ValueError, match=f"CandidateMatrix.{name} must be a positive int, got {bad!r}"):
+                CandidateMatrix(*dims)
+
+
+def test_put_normalises_short_features_and_names_a_wrong_size():
+    m = CandidateMatrix(2, F, L, D)
+    m.put(("a", 0), unit(0.3, 0.4), torch.zeros(L, D))                 # norm 0.5
+    torch.testing.assert_close(m.features[0], unit(0.6, 0.8))
+    with pytest.raises(ValueError, match=rf"candidate \('a', 1\): feature has {F + 1} elements, matrix holds {F}"):
+        m.put(("a", 1), torch.zeros(F + 1), torch.zeros(L, D))
+    with pytest.raises(ValueError, match=rf"candidate \('a', 1\): history \({L + 1}, {D}\), matrix holds \({L}, {D}\)"):
+        m.put(("a", 1), unit(1), torch.zeros(L + 1, D))
+
+
+def test_stall_and_past_the_references_counts_add_up_over_episodes():
+    h = torch.zeros(L, D)
+    r = Retriever(RetrievalConfig(history_len=L, max_end_matches=1), TaskPacks({TASK: matrix({("a", 1): (unit(1), h)})}))
+    for episode in range(2):
+        r.start_episode(TASK, max_calls=40, episode_lengths={"a": 2})
+        assert r.query(unit(1), h) is not None and r.query(unit(1), h) is None
+    assert r.stats.past_end == 2
+    for episode in range(2):
+        r.start_episode(TASK, max_calls=1)
+        assert r.query(unit(1), h) is not None and r.query(unit(1), h) is None
+    assert r.stats.stalls == 2
