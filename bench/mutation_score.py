@@ -37,7 +37,7 @@ MODULES: dict[str, tuple[str, ...]] = {
                               "test/engine/test_cached.py"),
     "cache/entry.py": ("test/cache/test_entry.py", "test/cache/test_dual_cache.py"),
     "cache/selector.py": ("test/cache/test_selector.py",),
-    "models/layers.py": ("test/models/test_pi05.py", "test/kernels/test_fallback.py"),
+    "models/layers.py": ("test/models/test_layers.py", "test/models/test_pi05.py", "test/kernels/test_fallback.py"),
     "engine/scheduler.py": ("test/engine/test_scheduler.py",),
     "engine/safety.py": ("test/engine/test_safety.py",),
     "cache/window.py": ("test/cache/test_window.py",),
