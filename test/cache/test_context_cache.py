@@ -41,27 +41,47 @@ def test_token_drift_is_relative_per_token_over_the_last_dimension():
 
 @pytest.mark.parametrize("rho", [0.0, -0.5, 1.5, 2.0])
 def test_rho_outside_zero_one_is_refused_and_named(rho):
-    entry = PreparedEntry(("e", 0), torch.zeros(1, PV, 4), torch.zeros(1, PV, 4), torch.tensor([True]), None)
+    entry = entry_of(torch.zeros(1, PV, 4), 0.0)
     with pytest.raises(ValueError, match=rf"rho_p must be in \(0, 1\], got {rho}"):
         ContextCache(entry, rho_p=rho)
 
 
 @pytest.fixture
-def mlp_and_entry():
+def mlp() -> GemmaMLP:
     torch.manual_seed(0)
-    cfg = preset("pi05-tiny").vlm
-    mlp = GemmaMLP(cfg)
+    m = GemmaMLP(preset("pi05-tiny").vlm)
     with torch.no_grad():
-        for p in mlp.parameters():
+        for p in m.parameters():
             p.normal_(0, 0.1)
-    ref_in = torch.randn(1, PV, cfg.width)
-    return mlp, PreparedEntry(("e", 0), ref_in, torch.full((1, PV, cfg.width), 7.0), torch.tensor([True]), None)
+    return m
 
 
-def test_a_prefill_of_visual_tokens_only_is_served(mlp_and_entry):
+def entry_of(ref_in: torch.Tensor, fill: float) -> PreparedEntry:
+    """A one-layer reference whose FFN outputs are all ``fill`` (so a reused row is recognisable)."""
+    return PreparedEntry(("e", 0), ref_in, torch.full_like(ref_in, fill), torch.tensor([True]), None)
+
+
+def test_context_cache_scatters_selected_rows_over_reference_outputs(mlp):
+    pv, pt, w = 10, 3, mlp.down_t.shape[1]
+    ref_in = torch.randn(1, pv, w)
+    x = ref_in.clone()
+    x[0, [2, 7]] += 5.0  # two tokens drift a lot
+    x = torch.cat([x, torch.randn(1, pt, w)], 1)
+    entry = entry_of(ref_in, 9.0)
+    with torch.no_grad():
+        out = ContextCache(entry, rho_p=0.2)(0, mlp, x)
+        dense = mlp(x)
+    assert set(token_drift(x[0, :pv], ref_in[0]).topk(2).indices.tolist()) == {2, 7}
+    torch.testing.assert_close(out[0, [2, 7]], dense[0, [2, 7]])
+    torch.testing.assert_close(out[0, pv:], dense[0, pv:])   # instruction/state rows always recomputed
+    keep = [i for i in range(pv) if i not in (2, 7)]
+    assert torch.all(out[0, keep] == 9.0)                     # others reuse the reference output
+
+
+def test_a_prefill_of_visual_tokens_only_is_served(mlp):
     """No instruction or state rows (the boundary: exactly ``visual_tokens`` rows): the most
     drifted token is recomputed, the others keep the reference output."""
-    mlp, entry = mlp_and_entry
+    entry = entry_of(torch.randn(1, PV, mlp.down_t.shape[1]), 7.0)
     x = entry.ffn_in.clone()
     x[0, 3] += 4.0
     with torch.no_grad():
@@ -71,8 +91,8 @@ def test_a_prefill_of_visual_tokens_only_is_served(mlp_and_entry):
     assert torch.all(out[0, [0, 1, 2, 4, 5]] == 7.0)
 
 
-def test_wrong_prefill_shapes_are_refused_saying_why(mlp_and_entry):
-    mlp, entry = mlp_and_entry
+def test_wrong_prefill_shapes_are_refused_saying_why(mlp):
+    entry = entry_of(torch.randn(1, PV, mlp.down_t.shape[1]), 7.0)
     cache = ContextCache(entry, rho_p=0.5)
     w = entry.ffn_in.shape[-1]
     with pytest.raises(ValueError, match=r"the Context Cache serves one observation at a time \(batch 1\)"):
