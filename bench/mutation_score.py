@@ -30,12 +30,14 @@ from mutations import REPO, copy_repo  # noqa: E402  (the same copy of the check
 
 # module (under vla_runtime/) -> its fast tests; smallest modules first
 MODULES: dict[str, tuple[str, ...]] = {
-    "cache/context_cache.py": ("test/cache/test_dual_cache.py", "test/engine/test_cached.py"),
-    "cache/masks.py": ("test/cache/test_dual_cache.py", "test/engine/test_cached.py"),
-    "cache/action_cache.py": ("test/cache/test_dual_cache.py", "test/engine/test_cached.py"),
-    "cache/entry.py": ("test/cache/test_dual_cache.py",),
+    "cache/context_cache.py": ("test/cache/test_context_cache.py", "test/cache/test_dual_cache.py",
+                               "test/engine/test_cached.py"),
+    "cache/masks.py": ("test/cache/test_masks.py", "test/cache/test_dual_cache.py", "test/engine/test_cached.py"),
+    "cache/action_cache.py": ("test/cache/test_action_cache.py", "test/cache/test_dual_cache.py",
+                              "test/engine/test_cached.py"),
+    "cache/entry.py": ("test/cache/test_entry.py", "test/cache/test_dual_cache.py"),
     "cache/selector.py": ("test/cache/test_selector.py",),
-    "models/layers.py": ("test/models/test_pi05.py", "test/kernels/test_fallback.py"),
+    "models/layers.py": ("test/models/test_layers.py", "test/models/test_pi05.py", "test/kernels/test_fallback.py"),
     "engine/scheduler.py": ("test/engine/test_scheduler.py",),
     "engine/safety.py": ("test/engine/test_safety.py",),
     "cache/window.py": ("test/cache/test_window.py",),

@@ -44,7 +44,7 @@ MUTATIONS = (
              "vla_runtime/cache/context_cache.py",
              ".topk(k, sorted=False).indices", ".topk(k, largest=False, sorted=False).indices",
              ("test/engine/test_cached.py::test_cached_engine_follows_the_plain_formulas",
-              "test/cache/test_dual_cache.py::test_context_cache_scatters_selected_rows_over_reference_outputs")),
+              "test/cache/test_context_cache.py::test_context_cache_scatters_selected_rows_over_reference_outputs")),
     Mutation("action_layer0_mask", "ActionCache._anchor", "every layer uses layer 0's mask",
              "vla_runtime/cache/action_cache.py",
              "neurons = self.masks[self.group_of[step], layer]", "neurons = self.masks[self.group_of[step], 0]",

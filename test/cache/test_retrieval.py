@@ -294,3 +294,223 @@ def test_similarity_filter_runs_before_the_joint_rerank():
     m = retriever(matrix(entries), top_t=4, min_similarity=0.8).query(unit(1), h)
     assert m is not None and m.key == ("good", 0)
     assert m.similarity == pytest.approx(0.98, abs=1e-6) and m.joint_distance == pytest.approx(1.0, rel=1e-6)
+
+
+# ---------------------------------------------------------------- boundaries found by the mutation run
+
+
+def test_config_accepts_its_boundaries_and_names_what_it_refuses():
+    """The smallest legal values and both ends of the cosine range are accepted; each refusal
+    names the key and the offending value."""
+    RetrievalConfig(top_t=1, history_len=1, min_similarity=-1.0, first_call_floor={TASK: -1.0})
+    RetrievalConfig(min_similarity=1.0, first_call_floor={TASK: 1.0}, arm_slices=((0, 1), (1, 2)))
+    bad = [({"history_len": 0}, "RetrievalConfig.history_len must be a positive int, got 0"),
+           ({"history_len": "3"}, "RetrievalConfig.history_len must be a positive int, got '3'"),
+           ({"min_similarity": 1.5}, r"RetrievalConfig.min_similarity must lie in \[-1, 1\], got 1.5"),
+           ({"min_similarity": -1.5}, r"RetrievalConfig.min_similarity must lie in \[-1, 1\], got -1.5"),
+           ({"min_similarity": "0.8"}, r"RetrievalConfig.min_similarity must lie in \[-1, 1\], got '0.8'"),
+           ({"first_call_floor": {TASK: -1.5}}, r"first_call_floor\['stack blocks'\] must lie in \[-1, 1\], got -1.5"),
+           ({"arm_slices": ((0, 0),)}, r"arm_slices entries must be \[start, end\) joint ranges, got \(0, 0\)"),
+           ({"arm_slices": ((0, 1, 2),)}, r"arm_slices entries must be \[start, end\) joint ranges, got \(0, 1, 2\)")]
+    for kwargs, message in bad:
+        with pytest.raises(ValueError, match=message):
+            RetrievalConfig(**kwargs)
+
+
+def test_max_calls_of_one_is_accepted_and_zero_is_named():
+    r = retriever(matrix({("a", 0): (unit(1), torch.zeros(L, D))}), max_calls=1)
+    assert r.query(unit(1), torch.zeros(L, D)) is not None
+    with pytest.raises(ValueError, match="max_calls must be a positive int, got 0"):
+        r.start_episode(TASK, max_calls=0)
+    with pytest.raises(RuntimeError, match="Retriever.query before start_episode"):
+        Retriever(RetrievalConfig(), TaskPacks({})).query(unit(1), torch.zeros(L, D))
+
+
+def test_a_new_episode_of_a_known_task_starts_clean_and_counts_its_queries():
+    """Right after ``start_episode`` nothing is latched and there is no reason (the state the
+    selector's note and the ROS diagnostics read: plain booleans, an empty string); the counters
+    count every query, across episodes for the lifetime stats."""
+    h = torch.zeros(L, D)
+    r = retriever(matrix({("a", 0): (unit(1, 0), h)}), max_calls=40)
+    assert r.reason == "" and r.fallback is False and r.stalled is False and r.calls == 0
+    for _ in range(3):
+        r.query(unit(1, 0), h)
+    assert r.calls == 3 and r.stats.queries == 3 and r.stats.hits == 3
+    r.query(unit(0, 1), h)                                               # cosine 0: a fallback
+    r.start_episode(TASK, max_calls=40)
+    assert r.calls == 0 and r.reason == "" and r.fallback is False
+    r.query(unit(0, 1), h)                                               # and another one
+    assert r.stats.fallbacks == 2 and r.stats.queries == 5 and r.stats.hits == 3 and r.stats.misses == 2
+    assert r.reason.endswith("; dense for the rest of the episode")
+
+
+def test_similarity_does_not_depend_on_the_query_scale():
+    """Cosine: a query of norm 0.01 matches as well as one of norm 1 (the features are
+    activations, their norm varies with the scene)."""
+    h = torch.zeros(L, D)
+    m = retriever(matrix({("a", 0): (unit(3, 4), h)})).query(0.01 * unit(3, 4), h)
+    assert m is not None and m.similarity == pytest.approx(1.0, abs=1e-6)
+
+
+def test_a_similarity_exactly_at_the_threshold_or_floor_is_kept():
+    """Orthogonal features give a cosine of exactly 0.0 in float32, so the boundary is exact:
+    ``min_similarity`` 0 and a first-scene floor of 0 both keep it (below, not at, falls back)."""
+    h = torch.zeros(L, D)
+    at_min = retriever(matrix({("a", 0): (unit(0, 1), h)}), min_similarity=0.0).query(unit(1), h)
+    assert at_min is not None and at_min.similarity == 0.0
+    at_floor = retriever(matrix({("a", 0): (unit(0, 1), h)}), min_similarity=-1.0,
+                         first_call_floor={TASK: 0.0}).query(unit(1), h)
+    assert at_floor is not None and at_floor.similarity == 0.0
+
+
+def test_a_first_scene_at_the_threshold_but_below_the_floor_says_it_was_the_floor():
+    h = torch.zeros(L, D)
+    r = retriever(matrix({("a", 0): (unit(0, 1), h)}), min_similarity=0.0, first_call_floor={TASK: 0.5})
+    assert r.query(unit(1), h) is None
+    assert r.reason.startswith("fallback: first scene's best visual similarity 0.00000 < 0.50000")
+
+
+def test_candidates_of_the_chosen_episodes_all_gone_is_not_a_fallback():
+    """The window slid on: the episodes chosen at the first search have no prepared entry left,
+    only another episode's. The query runs dense for that call and says why; the episode goes on."""
+    h = torch.zeros(L, D)
+    m = matrix({("a", 0): (unit(1), h), ("b", 0): (unit(0, 1), h)})
+    r = retriever(m, top_t=1)
+    assert r.query(unit(1), h).key == ("a", 0) and r.candidate_episodes() == ["a"]
+    m.remove(("a", 0))
+    assert r.query(unit(1), h) is None
+    assert r.reason == "no prepared candidates" and r.fallback is False
+    m.put(("a", 1), unit(1), h)
+    assert r.query(unit(1), h).key == ("a", 1) and r.reason == ""      # a match clears the last reason
+
+
+def test_query_shape_errors_name_both_sides():
+    r = retriever(matrix({("a", 0): (unit(1), torch.zeros(L, D))}))
+    with pytest.raises(ValueError, match=f"features have {F + 1} elements, the task pack's have {F}"):
+        r.query(torch.zeros(F + 1), torch.zeros(L, D))
+    long = Retriever(RetrievalConfig(history_len=L + 1), TaskPacks({TASK: matrix({("a", 0): (unit(1), torch.zeros(L, D))})}))
+    long.start_episode(TASK, max_calls=4)
+    with pytest.raises(ValueError, match=f"task pack histories cover {L} calls, history_len is {L + 1}"):
+        long.query(unit(1), torch.zeros(L + 1, D))
+
+
+def test_a_moved_row_stays_addressable_and_clear_empties_the_matrix():
+    """Removing a row moves the last candidate into the hole: that candidate must still be found
+    under its key (overwritten in place, removed) afterwards."""
+    h = torch.zeros(L, D)
+    m = matrix({("a", 0): (unit(1), h), ("b", 0): (unit(0, 1), h), ("c", 0): (unit(0, 0, 1), h)})
+    m.remove(("a", 0))                                                  # c moves to row 0
+    assert m.put(("c", 0), unit(0, 0, 0, 1), h) == 0 and len(m) == 2   # overwritten where it now is
+    assert torch.equal(m.features[0], unit(0, 0, 0, 1))
+    m.remove(("c", 0))
+    assert m.keys == [("b", 0)] and torch.equal(m.features[0], unit(0, 1))
+    m.clear()
+    assert len(m) == 0 and ("b", 0) not in m and m.episode_code.numel() == 0
+    assert m.put(("d", 0), unit(1), h) == 0 and m.keys == [("d", 0)]
+
+
+def test_from_tensors_checks_its_rows_and_builds_on_the_cpu_by_default():
+    keys = [("a", 0), ("a", 1)]
+    feats, hist = torch.randn(2, F), torch.randn(2, L, D)
+    with pytest.raises(ValueError, match="2 keys, 3 feature rows, 2 histories"):
+        CandidateMatrix.from_tensors(keys, torch.randn(3, F), hist)
+    with pytest.raises(ValueError, match="2 keys, 2 feature rows, 1 histories"):
+        CandidateMatrix.from_tensors(keys, feats, hist[:1])
+    one = CandidateMatrix.from_tensors(keys[:1], feats[:1].reshape(1, 2, F // 2), hist[:1])
+    assert one.device == torch.device("cpu") and one.feature_dim == F and one.capacity == 1
+    assert torch.allclose(one.features[0], feats[0] / feats[0].norm())
+    empty = CandidateMatrix.from_tensors([], torch.empty(0, F), torch.empty(0, L, D))
+    assert len(empty) == 0
+
+
+def test_fallback_rule_is_one_sentence_with_every_part_that_is_on():
+    assert fallback_rule(0.8, {}) == ("a best visual similarity below 0.8; no first-scene floor "
+                                      "(no task has two reference episodes)")
+    assert fallback_rule(0.8, {"a": 0.5, "b": 0.25}, 2) == (
+        "a best visual similarity below 0.8; a first scene below the floor of 'a' 0.50000, 'b' 0.25000; "
+        "more than 2 matches to a reference's last call (past the references)")
+    assert fallback_rule(0.7, None, 1) == ("a best visual similarity below 0.7; more than 1 match to a "
+                                           "reference's last call (past the references)")
+
+
+def _repo_call(feature: torch.Tensor):
+    from vla_runtime.cache.repository import ReferenceCall
+    return ReferenceCall(
+        images=torch.zeros(1, 4, 4, 3, dtype=torch.uint8), image_mask=torch.ones(1, dtype=torch.bool),
+        tokens=torch.zeros(3, dtype=torch.int64), token_mask=torch.ones(3, dtype=torch.bool),
+        state=torch.zeros(D), state_history=torch.zeros(L, D),
+        retrieval=feature.reshape(2, F // 2).half(), masks=torch.zeros(1, 1, 2, dtype=torch.int32))
+
+
+def _plain_floor(episodes: dict[str, list[torch.Tensor]]) -> float:
+    """Per episode, its first call's best cosine to any call of another episode; the least."""
+    def cos(a, b):
+        return float(a @ b) / float(a.norm() * b.norm())
+    return min(max(cos(calls[0], other) for e2, calls2 in episodes.items() if e2 != e for other in calls2)
+               for e, calls in episodes.items())
+
+
+def test_first_call_floors_on_unnormalised_features_of_several_tasks(tmp_path):
+    """Features of norms 0.2 to 5 (the floor is a cosine, whatever their scale), three calls per
+    episode with later calls unlike first ones (only first calls are queries), a one-episode task
+    listed first (skipped, the others still done), and ``tasks`` restricting the answer. The
+    features are stored in float16: the plain floor is computed from the stored values."""
+    from vla_runtime.cache.repository import ReferenceRepository, RepositoryMeta
+
+    repo = ReferenceRepository.create(tmp_path / "r", RepositoryMeta(
+        checkpoint_hash="sha256:x", model={}, retrieval_layer=1, rho_n=0.5, mask_groups=[[0, 10]], history_len=L))
+    repo.add_episode("lone", "a lone task", [_repo_call(unit(1)), _repo_call(unit(1))])
+    g = torch.Generator().manual_seed(3)
+    tasks = {TASK: ("e0", "e1", "e2"), "open drawer": ("d0", "d1")}
+    for task, eps in tasks.items():
+        for e in eps:
+            repo.add_episode(e, task, [_repo_call(torch.randn(F, generator=g) * s) for s in (0.2, 5.0, 1.0)])
+    want = {}
+    for task in tasks:
+        keys, feats = repo.retrieval_matrix(task)
+        stored: dict[str, list[torch.Tensor]] = {}
+        for (e, _), f in zip(keys, feats.float()):
+            stored.setdefault(e, []).append(f)
+        want[task] = _plain_floor(stored)
+    floors = first_call_floors(repo)
+    assert set(floors) == set(tasks)
+    for task in tasks:   # float32 cosines against float64 ones of the same float16 features: 1e-5
+        assert floors[task] == pytest.approx(want[task], abs=1e-5)
+    assert set(first_call_floors(repo, tasks=["open drawer"])) == {"open drawer"}
+    packs = candidates_from_repository(repo, tasks=["open drawer"])
+    assert set(packs.packs) == {"open drawer"}
+    assert {e for e, _ in packs.candidates("open drawer").keys} == {"d0", "d1"}
+    assert {e for e, _ in candidates_from_repository(repo).candidates(TASK).keys} == {"e0", "e1", "e2"}
+
+
+def test_matrix_dimensions_accept_one_and_name_what_they_refuse():
+    CandidateMatrix(1, 1, 1, 1)
+    for i, name in enumerate(("capacity", "feature_dim", "history_len", "state_dim")):
+        for bad in (0, "2"):
+            dims = [2, 2, 2, 2]
+            dims[i] = bad
+            with pytest.raises(ValueError, match=f"CandidateMatrix.{name} must be a positive int, got {bad!r}"):
+                CandidateMatrix(*dims)
+
+
+def test_put_normalises_short_features_and_names_a_wrong_size():
+    m = CandidateMatrix(2, F, L, D)
+    m.put(("a", 0), unit(0.3, 0.4), torch.zeros(L, D))                 # norm 0.5
+    torch.testing.assert_close(m.features[0], unit(0.6, 0.8))
+    with pytest.raises(ValueError, match=rf"candidate \('a', 1\): feature has {F + 1} elements, matrix holds {F}"):
+        m.put(("a", 1), torch.zeros(F + 1), torch.zeros(L, D))
+    with pytest.raises(ValueError, match=rf"candidate \('a', 1\): history \({L + 1}, {D}\), matrix holds \({L}, {D}\)"):
+        m.put(("a", 1), unit(1), torch.zeros(L + 1, D))
+
+
+def test_stall_and_past_the_references_counts_add_up_over_episodes():
+    h = torch.zeros(L, D)
+    r = Retriever(RetrievalConfig(history_len=L, max_end_matches=1), TaskPacks({TASK: matrix({("a", 1): (unit(1), h)})}))
+    for episode in range(2):
+        r.start_episode(TASK, max_calls=40, episode_lengths={"a": 2})
+        assert r.query(unit(1), h) is not None and r.query(unit(1), h) is None
+    assert r.stats.past_end == 2
+    for episode in range(2):
+        r.start_episode(TASK, max_calls=1)
+        assert r.query(unit(1), h) is not None and r.query(unit(1), h) is None
+    assert r.stats.stalls == 2

@@ -3,6 +3,7 @@ window planner (``Selection``): what the vision process runs, and the in-process
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -63,4 +64,72 @@ def test_a_stall_restarts_the_episodes_selection_and_says_so_to_the_window():
     assert note.restart and note.match is None and note.reason.startswith("stall: reference ('a', 1)")
     assert not note.dense_for_episode and s.retriever.stats.stalls == 1 and s.history == []
     s.observe_state(torch.zeros(D))
-    assert s.select(unit(1)).key == ("a", 1) and not s.selection(4, 1).restart   # served again
+    assert s.select(unit(1)).key == ("a", 1) and s.selection(4, 1).restart is False   # served again
+
+
+def test_before_any_episode_the_note_is_dense_with_nothing_to_restart():
+    """A note asked for before the first episode (the vision process publishes one per request)
+    carries no match, no task, and plain booleans: the note's bool fields go into a ROS message,
+    whose setters refuse None. ``select`` before ``start_episode`` names what is missing."""
+    m = CandidateMatrix(4, F, L, D)
+    m.put(("a", 0), unit(1), torch.zeros(L, D))
+    s = ReferenceSelector(RetrievalConfig(history_len=L), TaskPacks({TASK: m}), {TASK: {"a": 3}}, D)
+    note = s.selection(0, 0)
+    assert (note.match, note.task, note.candidates, note.reason) == (None, "", (), "")
+    assert note.restart is False and note.dense_for_episode is False
+    s.observe_state(torch.zeros(D))
+    with pytest.raises(RuntimeError, match="ReferenceSelector.select before start_episode"):
+        s.select(unit(1))
+
+
+def test_a_new_episode_forgets_the_last_match_and_restart():
+    s = selector({("a", 0): unit(1)}, {"a": 5})
+    s.observe_state(torch.zeros(D))
+    assert s.select(unit(1)).key == ("a", 0)
+    s.start_episode(TASK)
+    note = s.selection(1, 1)
+    assert note.match is None and note.restart is False and note.candidates == ()
+
+
+def test_a_low_similarity_fallback_is_dense_for_the_episode_in_the_note():
+    s = selector({("a", 0): unit(1)}, {"a": 5})
+    s.observe_state(torch.zeros(D))
+    assert s.select(unit(0.5, 0.75 ** 0.5)) is None                    # cosine 0.5 < min_similarity 0.8
+    note = s.selection(1, 0)
+    assert note.dense_for_episode is True and note.restart is False and note.reason.startswith("fallback")
+
+
+def test_the_episode_lengths_reach_the_past_the_references_rule():
+    """The selector hands the task's reference lengths to the retriever: with ``max_end_matches``
+    1, a second match to ("a", 2), the last of a's 3 calls, runs the rest of the episode dense."""
+    s = selector({("a", 2): unit(1)}, {"a": 3}, max_end_matches=1)
+    s.observe_state(torch.zeros(D))
+    assert s.select(unit(1)).key == ("a", 2)
+    assert s.select(unit(1)) is None and s.reason.startswith("past the references")
+    assert s.selection(2, 0).dense_for_episode is True
+
+
+def test_a_task_without_reference_lengths_counts_a_second_repeat_as_a_stall():
+    """Without lengths the repeat bound is one call: the same reference twice is a stall. An
+    unknown task (no pack, no lengths) runs dense and says so."""
+    m = CandidateMatrix(4, F, L, D)
+    m.put(("a", 0), unit(1), torch.zeros(L, D))
+    s = ReferenceSelector(RetrievalConfig(history_len=L), TaskPacks({TASK: m}), {}, D)
+    s.start_episode(TASK)
+    s.observe_state(torch.zeros(D))
+    assert s.select(unit(1)).key == ("a", 0)
+    assert s.select(unit(1)) is None and s.reason.startswith("stall") and s.selection(2, 0).restart is True
+    s.start_episode("fold towel")
+    s.observe_state(torch.zeros(D))
+    assert s.select(unit(1)) is None and s.reason == "unknown task 'fold towel': no task pack"
+
+
+def test_the_history_is_float32_whatever_the_caller_passes():
+    """States arrive as float64 numpy arrays or int lists (a driver's joint readings); the history
+    the rerank compares with the repository's float32 histories is float32, values kept."""
+    s = selector({("a", 0): unit(1)}, {"a": 5})
+    s.observe_state(np.array([0.25, -1.5]))
+    s.observe_state([1, 2])
+    h = s.state_history()
+    assert h.dtype == torch.float32
+    assert h.tolist() == [[0.25, -1.5], [0.25, -1.5], [1.0, 2.0]]
