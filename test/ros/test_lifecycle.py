@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import yaml
 
-from vla_runtime.testing.scenarios import node_logs, run_scenario
+from vla_runtime.testing.scenarios import node_logs, robot_spec, run_scenario
 
 INSTALL = Path(__file__).resolve().parents[2] / "install"
 PEERS = Path(__file__).with_name("lifecycle_peers.py")
@@ -31,10 +31,7 @@ def report(ros_demo, tmp_path_factory) -> dict:
     (tmp / "profile.yaml").write_text(yaml.safe_dump(profile))
     (tmp / "logs").mkdir()
     sfx = f"l{os.getpid()}"
-    spec = {"profile": str(tmp / "profile.yaml"), "logs": str(tmp / "logs"), "images": ros_demo["images"],
-            "state": ros_demo["state"], "task": ros_demo["task"], "joint_names": profile["joint_names"],
-            "lower": profile["joint_lower"], "upper": profile["joint_upper"],
-            "cameras": {c: v["topic"] for c, v in profile["cameras"].items()}, "rings": sfx, "timeout": 20.0}
+    spec = robot_spec(ros_demo, tmp / "profile.yaml", tmp / "logs", sfx, timeout=20.0)
     rep = run_scenario(PEERS, spec, INSTALL, timeout=480, cwd=tmp)
     (tmp / "report.json").write_text(json.dumps(rep, indent=1))
     rep["logs"] = node_logs(spec, tail=6000)
