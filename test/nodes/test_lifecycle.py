@@ -37,17 +37,20 @@ def test_a_policy_that_commanded_holds_its_last_command_not_the_lagging_measurem
     assert sent.any() and not np.array_equal(hold_target(c, np.zeros(3)), np.zeros(3))
 
 
-def test_a_peer_is_given_the_timeout_from_the_start_then_reported_silent_by_name():
+def test_a_peer_is_given_the_timeout_then_warned_about_until_heard_then_an_error_when_silent():
     w = PeerWatch(("policy",), now_s=100.0, timeout_s=3.0)
-    assert w.report(102.9) == "" and w.silent(102.9) == {}
-    assert w.report(104.0) == "policy node silent for 4.0 s (never heard since this node started): not running?"
+    assert w.report(102.9) == ("", "") and w.silent(102.9) == {}
+    # never heard: still starting, or kept unconfigured by a lifecycle manager: a warning
+    assert w.report(104.0) == ("", "policy node not heard since this node started 4.0 s ago")
     w.heard("policy", 104.5)
-    assert w.report(107.0) == "" and w.values(107.0) == {"policy_last_heard_s": "2.5"}
-    assert w.report(108.0).startswith("policy node silent for 3.5 s (stopped reporting)")
+    assert w.report(107.0) == ("", "") and w.values(107.0) == {"policy_last_heard_s": "2.5"}
+    # heard, then silent: it died (or was cleaned up): an error naming it
+    assert w.report(108.0) == ("policy node silent for 3.5 s (stopped reporting): not running or not configured?",
+                               "")
     w.heard("someone else", 108.0)         # not watched: ignored
     assert list(w.silent(108.0)) == ["policy"]
     w.timeout_s = 5.0                      # peer_timeout_s changed at run time
-    assert w.report(108.0) == ""
+    assert w.report(108.0) == ("", "")
 
 
 def test_a_watch_needs_a_peer():

@@ -137,9 +137,10 @@ class CacheManagerNode(ManagedNode):
                   "enabled": str(self.stage.enabled), "time_available_s": f"{self.time_available_s:.3f}"}
         if self.stage.worker is not None:
             values |= self.stage.worker.diagnostics()
-        peers, silent = self.peer_health()
+        peers, silent, unheard = self.peer_health()
         values |= peers | {"lifecycle": self.state_label}
         warn = "" if self.stage.enabled else f"cache disabled: {self.stage.disabled_reason}"
+        warn = "; ".join(w for w in (warn, unheard) if w)
         self.diag_pub.publish(diagnostic_array(self, "vla_runtime: cache manager", self.profile.name, values, warn,
                                                silent))
 

@@ -30,7 +30,9 @@ def hold_target(controller: StreamingController, measured: np.ndarray | None) ->
 class PeerWatch:
     """When each peer node was last heard (its periodic diagnostics), on the watching node's
     clock: a peer not heard for ``timeout_s`` is reported silent, naming it. The watch's start
-    counts as heard, so a peer still loading is given ``timeout_s`` before it is reported."""
+    counts as heard, so a peer still loading is given ``timeout_s`` before it is reported, and
+    then only as a warning until it has been heard once (a node starting, or kept unconfigured, is
+    not a node that died)."""
 
     def __init__(self, peers: tuple[str, ...], now_s: float, timeout_s: float):
         if not peers:
@@ -48,13 +50,17 @@ class PeerWatch:
         """Peers silent for longer than ``timeout_s``: seconds since last heard (or since the watch began)."""
         return {p: now_s - t for p, t in self.last_heard.items() if now_s - t > self.timeout_s}
 
-    def report(self, now_s: float) -> str:
-        """'' while every peer is heard; else one sentence per silent peer (the diagnostics' ERROR message)."""
-        parts = []
+    def report(self, now_s: float) -> tuple[str, str]:
+        """(error, warning): a peer heard before and silent now is an error (it died, or was
+        cleaned up); one never heard since this node started is a warning (still starting, or
+        left unconfigured by a lifecycle manager). '' when every peer is heard."""
+        errors, warnings = [], []
         for peer, age in self.silent(now_s).items():
-            why = "stopped reporting" if self.ever_heard[peer] else "never heard since this node started"
-            parts.append(f"{peer} node silent for {age:.1f} s ({why}): not running?")
-        return "; ".join(parts)
+            if self.ever_heard[peer]:
+                errors.append(f"{peer} node silent for {age:.1f} s (stopped reporting): not running or not configured?")
+            else:
+                warnings.append(f"{peer} node not heard since this node started {age:.1f} s ago")
+        return "; ".join(errors), "; ".join(warnings)
 
     def values(self, now_s: float) -> dict[str, str]:
         """Diagnostic key/values: seconds since each peer was last heard."""

@@ -96,14 +96,14 @@ class ManagedNode(LifecycleNode):
     def _clock_s(self) -> float:
         return self.get_clock().now().nanoseconds * 1e-9
 
-    def peer_health(self) -> tuple[dict[str, str], str]:
-        """(diagnostic values, ERROR message or '') of the watched peers."""
+    def peer_health(self) -> tuple[dict[str, str], str, str]:
+        """(diagnostic values, ERROR message, WARN message) of the watched peers ('' when none)."""
         now = self._clock_s()
         if not self._watched or now == 0.0:
-            return {}, ""
+            return {}, "", ""
         if self.peers is None:
             self.peers = PeerWatch(tuple(self._watched.values()), now, float(self.params["peer_timeout_s"]))
-        return self.peers.values(now), self.peers.report(now)
+        return self.peers.values(now), *self.peers.report(now)
 
     @property
     def state_label(self) -> str:

@@ -180,10 +180,11 @@ class VisionNode(ManagedNode):
         values["cache_halves"] = self.stage.cache_reason
         if self.stage.selector is not None:
             values |= self.stage.selector.diagnostics()
-        peers, silent = self.peer_health()
+        peers, silent, unheard = self.peer_health()
         values |= peers | {"lifecycle": self.state_label, "requests_while_inactive": str(self.requests_while_inactive)}
         warn = ("camera(s) stale, calls refused: " + "; ".join(self.stale) if self.stale else
                 "camera(s) missing: " + ", ".join(self.missing) if self.missing else "")
+        warn = "; ".join(w for w in (warn, unheard) if w)
         self.diag_pub.publish(diagnostic_array(self, "vla_runtime: vision", self.profile.name, values, warn, silent))
 
 
