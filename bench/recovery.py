@@ -29,7 +29,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -90,7 +89,7 @@ def inside(spec: dict) -> int:
     import rclpy
 
     from vla_runtime.testing.netns import assert_only_loopback
-    from vla_runtime.testing.robot import NODES, TestRobot, start_node
+    from vla_runtime.testing.robot import NODES, TestRobot, start_node, stop_nodes
 
     assert_only_loopback()
     procs = {n: start_node(n, spec) for n in NODES}
@@ -108,14 +107,7 @@ def inside(spec: dict) -> int:
                 out["runs"][name].append(kill_and_restart(robot, procs, name, spec))
         out["violations"] = robot.violations
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(2)
-        for p in procs.values():
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_nodes(procs)
         node.destroy_node()
         rclpy.try_shutdown()
     print(json.dumps(out))

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 
 from vla_runtime.testing.netns import assert_only_loopback
-from vla_runtime.testing.robot import NODE_NAMES, NODES, LifecycleClient, TestRobot, start_node
+from vla_runtime.testing.robot import NODE_NAMES, NODES, LifecycleClient, TestRobot, start_node, stop_nodes
 
 
 def rings(spec: dict) -> list[str]:
@@ -135,15 +134,7 @@ def run(spec: dict) -> int:
     try:
         report = scenario(spec, procs)
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGINT)
-        for p in procs.values():
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_nodes(procs)
     print(json.dumps(report))
     return 0
 

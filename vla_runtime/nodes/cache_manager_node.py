@@ -26,7 +26,6 @@ from ..cache.retrieval import Match
 from ..io.messages import InputError
 from .conversions import instruction_from_msg
 from .diagnostics import DIAGNOSTICS_TOPIC, POLICY_STATUS, diagnostic_array
-from .lifecycle import release_memory
 from .managed import ManagedNode
 from .params import CACHE_MANAGER, profile_and_checkpoint, ring_names
 from .prefix_ring import EPISODE_TOPIC, SELECTION_TOPIC, subscribe_instruction
@@ -75,12 +74,6 @@ class CacheManagerNode(ManagedNode):
             f"off ({self.stage.disabled_reason})"
         self.get_logger().info(f"cache manager configured: profile {prof.name}, repository {prof.cache.repository}, "
                                f"cache {state}")
-
-    def _release(self) -> None:
-        if self.stage is not None:
-            self.stage.close()
-        self.stage = None   # the weights and the repository go with it
-        release_memory()
 
     def _on_selection(self, msg: ReferenceSelection) -> None:
         if not self.active:   # inactive: the window stays as published

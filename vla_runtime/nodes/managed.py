@@ -33,10 +33,11 @@ from rclpy.subscription import Subscription
 from rclpy.timer import Timer
 
 from .diagnostics import DIAGNOSTICS_TOPIC, status_name
-from .lifecycle import PeerWatch
+from .lifecycle import PeerWatch, release_memory
 from .params import Param, declare_parameters
-from .spin import start_failure
+from .spin import CallbackGate, start_failure
 
+SHUTDOWN_WAIT_S = 5.0   # for the call in flight when the node stops (cleanup, deactivate, Ctrl-C)
 SUCCESS = TransitionCallbackReturn.SUCCESS
 FAILURE = TransitionCallbackReturn.FAILURE
 E = TypeVar("E")
@@ -56,6 +57,8 @@ class ManagedNode(LifecycleNode):
         self._quiet = False                      # autostart: the failure is printed by spin.run instead
         self._watched: dict[str, str] = {}       # status name -> peer (watch_peers)
         self.peers: PeerWatch | None = None
+        self.stage: Any = None                   # what _setup loads: a stage of stages.py (rings, weights)
+        self.gate: CallbackGate | None = None    # the callbacks that use the stage's rings (None: single-threaded)
 
     # ------------------------------------------------------------ hooks of the node classes
     def _setup(self) -> None:
@@ -68,7 +71,17 @@ class ManagedNode(LifecycleNode):
         pass
 
     def _release(self) -> None:
-        pass
+        """Close the stage (its rings: unmapped, and unlinked by their creator) once no callback
+        uses it, then drop it with its weights. A callback still running after ``SHUTDOWN_WAIT_S``
+        keeps the rings mapped (unmapping under it would fault; the next start replaces them)."""
+        if self.gate is None or self.gate.close(SHUTDOWN_WAIT_S):
+            if self.stage is not None:
+                self.stage.close()
+        else:
+            self.get_logger().error(f"a callback was still running {SHUTDOWN_WAIT_S} s after cleanup began: "
+                                    "leaving the ring buffers mapped (the next start replaces them)")
+        self.stage = None
+        release_memory()
 
     def _on_parameter(self, name: str, value: object) -> None:
         self.params[name] = value   # read on every use: takes effect from the next message / tick

@@ -41,8 +41,8 @@ from ..ipc.ring import RingBufferError
 from .adapters import gripper_positions, group_commands, single_commands, trajectory_parts
 from .conversions import StampCheck, chunk_to_trajectory, implausible_joints, instruction_from_msg, points_passed, stamp_ns
 from .diagnostics import DIAGNOSTICS_TOPIC, POLICY_STATUS, diagnostic_array
-from .lifecycle import hold_target, release_memory
-from .managed import ManagedNode
+from .lifecycle import hold_target
+from .managed import SHUTDOWN_WAIT_S, ManagedNode
 from .params import POLICY, profile_and_checkpoint, ring_names
 from .prefix_ring import EPISODE_TOPIC, READY_TOPIC, REQUEST_TOPIC, subscribe_instruction
 from .spin import CallbackGate, gated, run
@@ -59,7 +59,6 @@ class Asked:
 
     clock_s: float
     monotonic_ns: int
-SHUTDOWN_WAIT_S = 5.0   # for the chunk being computed at shutdown
 
 
 class PolicyNode(ManagedNode):
@@ -177,16 +176,6 @@ class PolicyNode(ManagedNode):
             self._publish_command(target)
             if self.traj_pubs:
                 self._publish_hold(target, "deactivated: holding the robot where it is")
-
-    def _release(self) -> None:
-        if self.gate.close(SHUTDOWN_WAIT_S):
-            if self.stage is not None:
-                self.stage.close()
-        else:   # unmapping under a running call would fault; the vision node replaces its segments
-            self.get_logger().error(f"a chunk was still being computed {SHUTDOWN_WAIT_S} s after shutdown began: "
-                                    "leaving the ring buffers mapped")
-        self.stage = None   # the weights go with it
-        release_memory()
 
     @property
     def request_timeout_s(self) -> float:

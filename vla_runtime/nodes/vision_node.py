@@ -30,7 +30,6 @@ from vla_runtime.msg import PrefixRequest, ReferenceSelection, SlotReady
 from ..io.messages import InputError, image_from_msg
 from .conversions import CameraFeed, StampCheck, stamp_ns, usable_images
 from .diagnostics import DIAGNOSTICS_TOPIC, POLICY_STATUS, diagnostic_array
-from .lifecycle import release_memory
 from .managed import ManagedNode
 from .params import VISION, profile_and_checkpoint, ring_names
 from .prefix_ring import READY_TOPIC, REQUEST_TOPIC, SELECTION_TOPIC
@@ -38,7 +37,6 @@ from .spin import CallbackGate, gated, run
 from .stages import PrefixRequestNote, Selection, VisionStage, load_policy
 
 PARAMETERS = VISION
-SHUTDOWN_WAIT_S = 5.0   # for the call in flight at shutdown
 
 
 class VisionNode(ManagedNode):
@@ -86,16 +84,6 @@ class VisionNode(ManagedNode):
         self.gate.open()
         self.get_logger().info(f"vision node configured: profile {self.profile.name}, checkpoint {ckpt}, ring "
                                f"{self.stage.prefix.name}, cache {'on' if self.stage.selector is not None else 'off'}")
-
-    def _release(self) -> None:
-        if self.gate.close(SHUTDOWN_WAIT_S):
-            if self.stage is not None:
-                self.stage.close()
-        else:   # unmapping under a running call would fault; the next start replaces the segments
-            self.get_logger().error(f"a call was still running {SHUTDOWN_WAIT_S} s after cleanup began: "
-                                    "leaving the ring buffers to the next start")
-        self.stage = None   # the weights go with it
-        release_memory()
 
     def _stamps(self) -> StampCheck:
         return StampCheck(float(self.params["max_input_age_s"]), float(self.params["max_future_s"]))

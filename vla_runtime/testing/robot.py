@@ -9,6 +9,7 @@ within the joint limits), action chunks, prefix requests and every diagnostics s
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -33,6 +34,20 @@ def start_node(name: str, spec: dict, *extra: str) -> subprocess.Popen:
     log = open(os.path.join(spec["logs"], f"{name}.log"), "a")
     return subprocess.Popen([sys.executable, "-m", f"vla_runtime.nodes.{name}", "--ros-args", *args, *extra],
                             stdout=log, stderr=subprocess.STDOUT, text=True)
+
+
+def stop_nodes(procs: dict[str, subprocess.Popen], timeout: float = 15.0) -> dict[str, int]:
+    """Ctrl-C every node still running, wait for each (SIGKILL after ``timeout``); exit statuses."""
+    for p in procs.values():
+        if p.poll() is None:
+            p.send_signal(signal.SIGINT)
+    for p in procs.values():
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    return {name: p.returncode for name, p in procs.items()}
 
 
 def status_level(status: Any) -> int:
