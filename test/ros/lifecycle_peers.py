@@ -53,7 +53,7 @@ def scenario(spec: dict, procs: dict) -> dict:
 
     # ---- unconfigured: nothing loaded, no rings, nothing commanded
     for n in NODES:   # the services exist once the process has started
-        life[n]._get.wait_for_service(timeout_sec=spec["timeout"] * 3)
+        life[n].wait()
     rep["unconfigured"] = {"states": states(), "rings": rings(spec), **quiet_for(2.0)}
 
     # ---- configure: loads, warms up, rings created; still no command (not active)

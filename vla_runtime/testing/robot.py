@@ -154,6 +154,10 @@ class LifecycleClient:
             raise TimeoutError(f"service {client.srv_name} did not answer in {self.timeout} s")
         return fut.result()
 
+    def wait(self) -> bool:
+        """Wait until the node's lifecycle services are up (its process has started)."""
+        return self._get.wait_for_service(timeout_sec=self.timeout)
+
     def state(self) -> str:
         return self._call(self._get, self._GetState.Request()).current_state.label
 
