@@ -14,9 +14,11 @@ it again, and time, from the kill:
   chunks never stop (calls run from the window it left, or dense): ``first_chunk_after_kill_s``
   says so, and ``first_cached_s`` is the first chunk served from the new working set;
 - vision node: ``first_hold_s``, when the policy published its one-point hold (the robot held);
-- policy node: ``reported_s``, when the vision node and the cache manager both reported it as an
-  ERROR on /diagnostics. The launch does not respawn the policy (see docs/ros.md); its restart
-  here, after the same delay, stands for an operator's or lifecycle manager's.
+- ``start_to_chunk_s``: from the restart to that first chunk (start, configure, activate, call);
+- policy node: ``reported_s``, when the vision node and the cache manager had both reported it as
+  an ERROR on /diagnostics. The launch does not respawn the policy (see docs/ros.md): here it is
+  restarted once both reported it (standing for an operator or a lifecycle manager), so its
+  ``first_chunk_s`` includes the report time.
 
 Writes JSON (each run, and per node the median and max); timings are wall-clock seconds on this
 machine (2 CPU cores, shared), one run at a time under the heavy-job lock.
@@ -52,10 +54,18 @@ def kill_and_restart(robot, procs: dict, name: str, spec: dict) -> dict:
     t_kill = time.monotonic()
     procs[name].kill()
     procs[name].wait()
-    robot.spin_until(lambda: False, RESPAWN_DELAY_S)
+    run: dict = {}
+    if name == "policy_node":   # not respawned: its peers must report it first (then it is restarted)
+        def reported(who: str) -> float | None:
+            return next((t for t, nm, st in robot.diag_log if t > t_kill and nm == f"vla_runtime: {who}"
+                         and st["level"] == 2 and "policy node silent" in st["message"]), None)
+        robot.spin_until(lambda: None not in (reported("vision"), reported("cache manager")), timeout)
+        times = [reported("vision"), reported("cache manager")]
+        run["reported_s"] = None if None in times else round(max(times) - t_kill, 3)
+    robot.spin_until(lambda: False, max(0.0, RESPAWN_DELAY_S - (time.monotonic() - t_kill)))
     t_start = time.monotonic()
     procs[name] = start_node(name, spec)
-    run = {"restart_s": round(t_start - t_kill, 3)}
+    run["restart_s"] = round(t_start - t_kill, 3)
 
     def first(items, since: float, pred=lambda item: True):
         return next((item[0] for item in items if item[0] > since and pred(item)), None)
@@ -63,6 +73,7 @@ def kill_and_restart(robot, procs: dict, name: str, spec: dict) -> dict:
     robot.spin_until(lambda: first(robot.chunks, t_start) is not None, timeout)
     t = first(robot.chunks, t_start)
     run["first_chunk_s"] = None if t is None else round(t - t_kill, 3)
+    run["start_to_chunk_s"] = None if t is None else round(t - t_start, 3)
     if name == "vision_node":
         t = first(robot.trajectories, t_kill, lambda item: item[1] == 1)
         run["first_hold_s"] = None if t is None else round(t - t_kill, 3)
@@ -72,12 +83,6 @@ def kill_and_restart(robot, procs: dict, name: str, spec: dict) -> dict:
         robot.spin_until(lambda: first(robot.chunks, t_start, lambda item: item[2] == "cached") is not None, timeout)
         t = first(robot.chunks, t_start, lambda item: item[2] == "cached")
         run["first_cached_s"] = None if t is None else round(t - t_kill, 3)
-    if name == "policy_node":
-        def reported(who: str) -> float | None:
-            return next((t for t, nm, st in robot.diag_log if t > t_kill and nm == f"vla_runtime: {who}"
-                         and st["level"] == 2 and "policy node silent" in st["message"]), None)
-        times = [reported("vision"), reported("cache manager")]
-        run["reported_s"] = None if None in times else round(max(times) - t_kill, 3)
     # steady again before the next kill: two more chunks
     t = time.monotonic()
     robot.spin_until(lambda: robot.chunks_since(t) >= 2, timeout)
