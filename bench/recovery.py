@@ -36,7 +36,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+if sys.argv[1:2] != ["inside"]:   # inside the namespace the install space (with vla_runtime.msg) comes first
+    sys.path.insert(0, str(ROOT))
 
 from vla_runtime.nodes.launching import RESPAWN_DELAY_S  # noqa: E402
 
