@@ -57,11 +57,13 @@ def status_level(status: Any) -> int:
 
 class TestRobot:
     """``spec``: {"images": {camera: [[...]]}, "state": [...], "task": str, "joint_names": [...],
-    "lower": [...], "upper": [...], "cameras": {camera: topic}}; topics as in the sim profile."""
+    "lower": [...], "upper": [...], "cameras": {camera: topic}}; robot topics as in the sim
+    profile (absolute), the pipeline's own topics and status names under ``namespace`` ('' or
+    '/name': the nodes' namespace)."""
 
     __test__ = False   # not a pytest class
 
-    def __init__(self, node: Any, spec: dict):
+    def __init__(self, node: Any, spec: dict, namespace: str = ""):
         from diagnostic_msgs.msg import DiagnosticArray
         from sensor_msgs.msg import Image, JointState
         from std_msgs.msg import String
@@ -70,6 +72,7 @@ class TestRobot:
         from vla_runtime.msg import ActionChunk, PrefixRequest
 
         self.node = node
+        self.namespace = namespace
         self.lower, self.upper = np.asarray(spec["lower"]), np.asarray(spec["upper"])
         self.trajectories: list[tuple[float, int, list[float]]] = []   # (time, points, first point)
         self.chunks: list[tuple[float, int, str]] = []                 # (time, call id, source)
@@ -78,8 +81,8 @@ class TestRobot:
         self.diag: dict[str, dict] = {}
         self.diag_log: list[tuple[float, str, dict]] = []
         node.create_subscription(JointTrajectory, "/joint_trajectory_controller/joint_trajectory", self._on_traj, 50)
-        node.create_subscription(ActionChunk, "/vla_runtime/action_chunk", self._on_chunk, 50)
-        node.create_subscription(PrefixRequest, "/vla_runtime/prefix_request",
+        node.create_subscription(ActionChunk, f"{namespace}/vla_runtime/action_chunk", self._on_chunk, 50)
+        node.create_subscription(PrefixRequest, f"{namespace}/vla_runtime/prefix_request",
                                  lambda m: self.requests.append(time.monotonic()), 50)
         node.create_subscription(DiagnosticArray, "/diagnostics", self._on_diag, 50)
         self.cams = {c: node.create_publisher(Image, t, 10) for c, t in spec["cameras"].items()}
@@ -128,7 +131,15 @@ class TestRobot:
 
     def status(self, who: str, since: float = 0.0) -> list[dict]:
         """Every status of ``who`` ("policy", "vision", "cache manager") received after ``since``."""
-        return [st for t, name, st in self.diag_log if t > since and name == f"vla_runtime: {who}"]
+        return [st for t, name, st in self.diag_log if t > since and name == self.status_name(who)]
+
+    def first_status(self, who: str, since: float, pred: Any) -> float | None:
+        """When the first status of ``who`` after ``since`` satisfying ``pred`` arrived."""
+        return next((t for t, name, st in self.diag_log if t > since and name == self.status_name(who) and pred(st)),
+                    None)
+
+    def status_name(self, who: str) -> str:
+        return f"{self.namespace}/vla_runtime: {who}" if self.namespace else f"vla_runtime: {who}"
 
 
 class LifecycleClient:
