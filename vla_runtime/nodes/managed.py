@@ -83,6 +83,10 @@ class ManagedNode(LifecycleNode):
         self.stage = None
         release_memory()
 
+    def _publish_diagnostics(self) -> None:
+        """The node's status on /diagnostics (the node classes'); also sent on every activation
+        and deactivation, so that a monitor sees a state change at once."""
+
     def _on_parameter(self, name: str, value: object) -> None:
         self.params[name] = value   # read on every use: takes effect from the next message / tick
         if name == "peer_timeout_s" and self.peers is not None:
@@ -96,27 +100,33 @@ class ManagedNode(LifecycleNode):
         from diagnostic_msgs.msg import DiagnosticArray
 
         self._watched = {status_name(self.get_namespace(), s): peer for s, peer in statuses.items()}
-        self.peers = None   # started at the first reading with a clock (sim time: after the first /clock)
+        self.peers = None
+        self._peer_watch()
 
         def on_diagnostics(msg: DiagnosticArray) -> None:
-            now = self._clock_s()
+            watch = self._peer_watch()
             for st in msg.status:
                 peer = self._watched.get(st.name)
-                if peer is not None and self.peers is not None:
-                    self.peers.heard(peer, now)
+                if peer is not None and watch is not None:
+                    watch.heard(peer, self._clock_s())
         self.own(self.create_subscription(DiagnosticArray, DIAGNOSTICS_TOPIC, on_diagnostics, 50))
 
     def _clock_s(self) -> float:
         return self.get_clock().now().nanoseconds * 1e-9
 
+    def _peer_watch(self) -> PeerWatch | None:
+        """The watch, started now unless the clock has not started (sim time before the first /clock)."""
+        if self.peers is None and self._watched and self._clock_s() != 0.0:
+            self.peers = PeerWatch(tuple(self._watched.values()), self._clock_s(), float(self.params["peer_timeout_s"]))
+        return self.peers
+
     def peer_health(self) -> tuple[dict[str, str], str, str]:
         """(diagnostic values, ERROR message, WARN message) of the watched peers ('' when none)."""
-        now = self._clock_s()
-        if not self._watched or now == 0.0:
+        watch = self._peer_watch()
+        if watch is None:
             return {}, "", ""
-        if self.peers is None:
-            self.peers = PeerWatch(tuple(self._watched.values()), now, float(self.params["peer_timeout_s"]))
-        return self.peers.values(now), *self.peers.report(now)
+        now = self._clock_s()
+        return watch.values(now), *watch.report(now)
 
     @property
     def state_label(self) -> str:
@@ -181,6 +191,7 @@ class ManagedNode(LifecycleNode):
             return result
         self.active = True
         self.get_logger().info("active")
+        self._step("report", self._publish_diagnostics)
         return SUCCESS
 
     def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
@@ -188,6 +199,7 @@ class ManagedNode(LifecycleNode):
         self._step("deactivate", self._disable)   # logged; the node stops all the same
         super().on_deactivate(state)        # lifecycle publishers silent from here on
         self.get_logger().info("inactive")
+        self._step("report", self._publish_diagnostics)
         return SUCCESS
 
     def on_cleanup(self, state: LifecycleState) -> TransitionCallbackReturn:
