@@ -3,11 +3,13 @@ every executable they start is installed by CMakeLists.txt and exists in scripts
 parameter they pass is declared by that node, and every profile they name loads. Then each
 launch file's ``generate_launch_description`` runs against recording stand-ins of the launch
 classes: every launch argument is declared and reaches every node (as a parameter of its name,
-the namespace or the log level), and a node's exit stops the launch, non-zero after a failure."""
+the namespace or the log level), the vision node and the cache manager respawn after the
+declared delay while the policy node does not, and what each node's exit does to the launch."""
 
 from __future__ import annotations
 
 import ast
+import re
 import importlib.util
 import sys
 import types
@@ -15,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from vla_runtime.nodes.launching import ARGUMENTS, NODES, PARAMETERS, LaunchFailure
+from vla_runtime.nodes.launching import (ARGUMENTS, BOOL_PARAMETERS, NODES, PARAMETERS, RESPAWN_DELAY_S, RESPAWNS,
+                                         LaunchFailure)
 from vla_runtime.nodes.spin import START_FAILED
 from vla_runtime.nodes.profile import load_profile
 
@@ -36,7 +39,9 @@ def _declared_parameters(source: Path) -> set[str]:
     tables = [n.value for n in tree.body if isinstance(n, ast.Assign)
               and any(getattr(t, "id", "") == "PARAMETERS" for t in n.targets)]
     assert len(tables) == 1, f"{source.name} needs one PARAMETERS table"
-    assert "declare_parameters(self, PARAMETERS" in source.read_text(), f"{source.name} must declare its table"
+    # a managed node declares its table in ManagedNode.__init__ (params.declare_parameters)
+    assert re.search(r"super\(\).__init__\(\"vla_\w+\", PARAMETERS\)", source.read_text()), \
+        f"{source.name} must declare its table"
     if isinstance(tables[0], ast.Name):
         return set(getattr(params, tables[0].id))
     assert isinstance(tables[0], ast.Dict), f"{source.name}: PARAMETERS must be a dict or a table of params.py"
@@ -50,7 +55,8 @@ def _nodes_and_params(path: Path) -> tuple[list[str], set[str], str]:
                    if isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "PROFILE" for t in n.targets))
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "describe"]
     assert len(calls) == 1, f"{path.name} must return launching.describe(PROFILE)"
-    return [exe for exe, _ in NODES], set(PARAMETERS), profile
+    # use_sim_time is declared by rclpy itself, the other booleans by each node's table
+    return [exe for exe, _ in NODES], set(PARAMETERS) | set(BOOL_PARAMETERS) - {"use_sim_time"}, profile
 
 
 @pytest.mark.parametrize("path", LAUNCH, ids=lambda p: p.name)
@@ -80,7 +86,7 @@ class Recorded:
 
 def _stand_ins(monkeypatch) -> dict[str, type]:
     """Modules launch / launch_ros with recording classes of the names launching.describe uses."""
-    names = {"launch": ["LaunchDescription"], "launch.actions": ["DeclareLaunchArgument", "Shutdown"],
+    names = {"launch": ["LaunchDescription"], "launch.actions": ["DeclareLaunchArgument", "LogInfo", "Shutdown"],
              "launch.substitutions": ["LaunchConfiguration", "PathJoinSubstitution"],
              "launch_ros.actions": ["Node"], "launch_ros.parameter_descriptions": ["ParameterValue"],
              "launch_ros.substitutions": ["FindPackageShare"]}
@@ -116,8 +122,9 @@ def test_every_launch_argument_is_declared_and_reaches_every_node(path: Path, mo
     entities = _described(path, monkeypatch).args[0]
     declared = {e.args[0]: e.kwargs for e in entities if isinstance(e, cls["DeclareLaunchArgument"])}
     assert set(declared) == {a.name for a in ARGUMENTS} >= {"profile", "checkpoint", "device", "dtype", "cache",
-                                                            "namespace", "use_sim_time", "log_level"}
+                                                            "namespace", "use_sim_time", "log_level", "autostart"}
     assert declared["device"]["default_value"] == "auto" and declared["use_sim_time"]["default_value"] == "false"
+    assert declared["autostart"]["default_value"] == "true"   # active by default
     profile = declared["profile"]["default_value"]
     assert profile.args[0][1:] == ["config", path.name.removesuffix(".launch.py") + ".yaml"]
     nodes = [e for e in entities if isinstance(e, cls["Node"])]
@@ -130,7 +137,18 @@ def test_every_launch_argument_is_declared_and_reaches_every_node(path: Path, mo
         # every parameter argument reaches the node under its own name, typed (launch_ros would read
         # "on"/"off" as YAML booleans without value_type)
         typed = {name: (_config_name(v.args[0]), v.kwargs["value_type"]) for name, v in params.items()}
-        assert typed == {**{p: (p, str) for p in PARAMETERS}, "use_sim_time": ("use_sim_time", bool)}
+        assert typed == {**{p: (p, str) for p in PARAMETERS}, "use_sim_time": ("use_sim_time", bool),
+                         "autostart": ("autostart", bool)}
+
+
+@pytest.mark.parametrize("path", LAUNCH, ids=lambda p: p.name)
+def test_vision_and_cache_manager_respawn_the_policy_does_not(path: Path, monkeypatch):
+    cls = _stand_ins(monkeypatch)
+    nodes = {e.kwargs["name"]: e.kwargs for e in _described(path, monkeypatch).args[0] if isinstance(e, cls["Node"])}
+    assert RESPAWN_DELAY_S > 0   # launch waits the delay before respawning: a START_FAILED exit cancels it then
+    for name in ("vla_vision", "vla_cache_manager"):
+        assert nodes[name]["respawn"] is True and nodes[name]["respawn_delay"] == RESPAWN_DELAY_S, nodes[name]
+    assert "respawn" not in nodes["vla_policy"] and not RESPAWNS["vla_policy"]
 
 
 class _Exit:
@@ -144,15 +162,17 @@ class _Context:
 
 
 @pytest.mark.parametrize("path", LAUNCH[:1], ids=lambda p: p.name)
-def test_a_node_that_exits_stops_the_launch_non_zero_after_a_failure(path: Path, monkeypatch):
+def test_what_each_node_exit_does_to_the_launch(path: Path, monkeypatch):
     cls = _stand_ins(monkeypatch)
     nodes = [e for e in _described(path, monkeypatch).args[0] if isinstance(e, cls["Node"])]
     for n in nodes:
         on_exit, name = n.kwargs["on_exit"], n.kwargs["name"]
         with pytest.raises(LaunchFailure, match=f"{name} stopped: it could not start"):
-            on_exit(_Exit(START_FAILED), _Context(False))
-        with pytest.raises(LaunchFailure, match=f"{name} stopped: exit status -9"):
-            on_exit(_Exit(-9), _Context(False))      # killed: the launch does not carry on with two nodes
-        (shutdown,) = on_exit(_Exit(0), _Context(False))
+            on_exit(_Exit(START_FAILED), _Context(False))   # a respawn would fail the same way: stop
+        (shutdown,) = on_exit(_Exit(0), _Context(False))     # stopped on purpose: the launch stops
         assert isinstance(shutdown, cls["Shutdown"]) and shutdown.kwargs["reason"] == f"{name} exited"
-        assert on_exit(_Exit(-2), _Context(True)) is None   # Ctrl-C: the launch is stopping them anyway
+        assert on_exit(_Exit(-2), _Context(True)) is None    # Ctrl-C: the launch is stopping them anyway
+        (log,) = on_exit(_Exit(-9), _Context(False))         # killed: never the whole launch
+        assert isinstance(log, cls["LogInfo"]) and log.kwargs["msg"].startswith(f"{name} died (exit status -9)")
+        expected = f"respawning in {RESPAWN_DELAY_S:g} s" if name != "vla_policy" else "not restarted"
+        assert expected in log.kwargs["msg"], log.kwargs["msg"]

@@ -163,3 +163,16 @@ def test_a_stop_request_ends_the_spin_at_its_next_wake_up():
 
     spin_interruptibly(Executor(), lambda: not stop.requested)
     assert stop.requested and len(calls) == 2
+
+
+def test_a_gate_made_closed_skips_callbacks_until_opened_and_can_close_again():
+    """A managed node's gate: closed until configure (or activate) opens it, closed again on
+    deactivate or cleanup, open again on the next activation."""
+    node = _Node()
+    node.gate = CallbackGate(closed=True)
+    assert node.on_message() is None and node.calls == 0
+    node.gate.open()
+    assert node.on_message() == "done" and node.calls == 1
+    assert node.gate.close(1.0) and node.on_message() is None and node.calls == 1
+    node.gate.open()
+    assert node.on_message() == "done" and node.calls == 2

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 
+from vla_runtime.nodes.launching import RESPAWN_DELAY_S
 from vla_runtime.testing.netns import assert_only_loopback
 from vla_runtime.testing.scenarios import rgb_image
 
@@ -302,6 +303,7 @@ def scenario(spec: dict, nodes: dict) -> dict:
     t = time.monotonic()
     ok = spin_until(lambda: n("policy", "holds_published") > holds and d("policy", "plan_stale") == "True")
     held = (d("policy", "plan_stale"), diag.get("vla_runtime: policy", {}).get("message"))
+    spin_until(lambda: False, timeout=RESPAWN_DELAY_S)   # restarted as the launch respawns it
     nodes["vision_node"] = start_node("vision_node", spec)
     t = time.monotonic()
     back = spin_until(lambda: chunk_after(t), timeout=spec["timeout"] * 3)
@@ -314,19 +316,33 @@ def scenario(spec: dict, nodes: dict) -> dict:
     t = time.monotonic()
     served = spin_until(lambda: len([1 for ct, _, _ in chunks if ct > t]) >= 3)
     sources = [src for ct, _, src in chunks if ct > t][:10]
+    spin_until(lambda: False, timeout=max(0.0, RESPAWN_DELAY_S - (time.monotonic() - t)))   # as respawn does
     nodes["cache_manager_node"] = start_node("cache_manager_node", spec)
     t = time.monotonic()
     back = spin_until(lambda: chunk_after(t, "cached"), timeout=spec["timeout"] * 3)
     phase("cache_manager_killed", served=served, sources=sources, recovered_cached=back)
 
-    # ---- 16: the policy node dies: the others and the rings survive; it resumes on restart
+    # ---- 16: the policy node dies: the others and the rings survive, and both report it as an
+    # ERROR naming it (the launch does not restart it); it resumes when restarted, and the ERROR clears
     nodes["policy_node"].kill()
     nodes["policy_node"].wait()
+    since = len(diag_log)
+    t = time.monotonic()
+
+    def peer_error(name: str) -> dict | None:
+        return next((st for nm, st in diag_log[since:] if nm == f"vla_runtime: {name}" and st["level"] == 2
+                     and "policy node silent" in st["message"]), None)
+    reported_ok = spin_until(lambda: peer_error("vision") is not None and peer_error("cache manager") is not None)
+    reported = {n: (peer_error(n) or {}).get("message", "") for n in ("vision", "cache manager")}
+    reported_after_s = round(time.monotonic() - t, 2)
     alive = {k: p.poll() is None for k, p in nodes.items() if k != "policy_node"}
     nodes["policy_node"] = start_node("policy_node", spec)
     t = time.monotonic()
     back = spin_until(lambda: chunk_after(t), timeout=spec["timeout"] * 3)
-    phase("policy_killed", others_alive=alive, recovered=back)
+    cleared = spin_until(lambda: all(diag.get(f"vla_runtime: {n}", {}).get("level") in (0, 1)
+                                     for n in ("vision", "cache manager")))
+    phase("policy_killed", others_alive=alive, recovered=back, reported=reported, reported_ok=reported_ok,
+          reported_after_s=reported_after_s, cleared=cleared)
 
     node.destroy_node()
     rclpy.shutdown()

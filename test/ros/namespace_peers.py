@@ -105,6 +105,9 @@ def run(spec: dict) -> int:
         report["served"] = spin_until(node, lambda: all(len(got[ns]["trajectories"]) >= 3 for ns in namespaces),
                                       spec["timeout"] * 8)
         spin_until(node, lambda: all(policy(ns, "task") for ns in namespaces), spec["timeout"])
+        # every node's status (a cache manager busy preparing its first window reports a little later)
+        spin_until(node, lambda: {f"/{ns}/vla_runtime: {n}" for ns in namespaces
+                                  for n in ("policy", "vision", "cache manager")} <= set(diag), spec["timeout"])
         report["rings"] = sorted(f for f in os.listdir("/dev/shm") if f.startswith(("vla_prefix", "vla_refs")))
         report["tasks"] = {ns: policy(ns, "task") for ns in namespaces}
         report["refused_joint_states"] = {ns: policy(ns, "refused_joint_states") for ns in namespaces}

@@ -5,7 +5,9 @@ a joint limit, every case shows in the nodes' diagnostics, and the robot is serv
 each one: bad images, a frozen camera, bad joint states, stamps from the future and too old, an
 empty and a changed instruction, run-time parameter changes (refused and accepted), a stalled
 vision node (held; its late slot not executed), and the vision, cache manager and policy nodes
-killed (SIGKILL) and restarted."""
+killed (SIGKILL) and restarted: the vision node and the cache manager after the launch's respawn
+delay (``launching.RESPAWN_DELAY_S``, as its respawn does) while the policy keeps the robot safe;
+the policy node, which the launch does not restart, reported by both peers as an ERROR naming it."""
 
 from __future__ import annotations
 
@@ -113,3 +115,13 @@ def test_policy_node_killed_the_others_survive_and_it_resumes(report):
     p = _phase(report, "policy_killed")
     assert p["others_alive"] == {"cache_manager_node": True, "vision_node": True} and p["recovered"], p
     assert report["exit_codes"] == {"cache_manager_node": 0, "vision_node": 0, "policy_node": 0}, report["logs"]
+
+
+def test_policy_node_killed_its_peers_report_it_as_an_error_naming_it_until_it_is_back(report):
+    """The launch does not restart the policy node: its loss must be visible. Its peers hear its
+    1 Hz diagnostics; silent for peer_timeout_s (3 s), it is an ERROR on /diagnostics naming it."""
+    p = _phase(report, "policy_killed")
+    assert p["reported_ok"], p
+    for peer in ("vision", "cache manager"):
+        assert p["reported"][peer].startswith("policy node silent for "), p
+    assert p["cleared"], (p, report["logs"])   # the restarted policy is heard again

@@ -6,6 +6,11 @@ Thin rclpy wiring around ``CacheStage``. It owns the reference repository and th
 reconstructing the entries that enter the window while the robot executes the chunk, at a lower
 CPU priority than the nodes that serve calls (``cache.background_nice``). A disabled or refused
 cache publishes no window, so the vision node runs dense and says why.
+
+A managed (lifecycle) node (``managed.ManagedNode``): configure loads the model and creates the
+working set, activate starts following selections and episodes, cleanup releases the working
+set and weights. Its diagnostics report the policy node as an ERROR, by name, when the policy's
+own diagnostics stop for ``peer_timeout_s``.
 """
 
 from __future__ import annotations
@@ -13,7 +18,6 @@ from __future__ import annotations
 import time
 
 from diagnostic_msgs.msg import DiagnosticArray
-from rclpy.node import Node
 from std_msgs.msg import Empty, String
 
 from vla_runtime.msg import ReferenceSelection
@@ -21,8 +25,9 @@ from vla_runtime.msg import ReferenceSelection
 from ..cache.retrieval import Match
 from ..io.messages import InputError
 from .conversions import instruction_from_msg
-from .diagnostics import DIAGNOSTICS_TOPIC, diagnostic_array
-from .params import CACHE_MANAGER, declare_parameters, profile_and_checkpoint, ring_names
+from .diagnostics import DIAGNOSTICS_TOPIC, POLICY_STATUS, diagnostic_array
+from .managed import ManagedNode
+from .params import CACHE_MANAGER, profile_and_checkpoint, ring_names
 from .prefix_ring import EPISODE_TOPIC, SELECTION_TOPIC, subscribe_instruction
 from .priority import background_priority
 from .spin import run
@@ -31,10 +36,20 @@ from .stages import CacheStage, Selection, load_policy
 PARAMETERS = CACHE_MANAGER
 
 
-class CacheManagerNode(Node):
+class CacheManagerNode(ManagedNode):
+    """Managed: configure loads the model, opens the repository and creates the working set;
+    activate starts following the selections and announced episodes (inactive, the published
+    window stays as it is and the vision node keeps selecting from it); cleanup unmaps and
+    unlinks the working set and drops the weights."""
+
     def __init__(self) -> None:
-        super().__init__("vla_cache_manager")
-        v = declare_parameters(self, PARAMETERS, self._on_parameter)
+        super().__init__("vla_cache_manager", PARAMETERS)
+        self.stage: CacheStage | None = None
+        self.nice: int | None = None   # lowered once per process, at the first configure
+        self.diag_pub = self.create_publisher(DiagnosticArray, DIAGNOSTICS_TOPIC, 10)
+
+    def _setup(self) -> None:
+        v = self.params
         self.profile, ckpt = profile_and_checkpoint(v)
         prof = self.profile
         policy = load_policy(ckpt, self.profile.engine, [c.name for c in self.profile.cameras], prof.state_dim,
@@ -43,21 +58,26 @@ class CacheManagerNode(Node):
         self.chunk_s = policy.engine.cfg.chunk_size / prof.control_hz
         self.time_available_s = float(v["time_available_s"]) or self.chunk_s
         self.last_upkeep_s = 0.0
-        self.nice = background_priority(prof.cache.background_nice)
+        if self.nice is None:   # once per process: a nice value, once raised, cannot go back down
+            self.nice = background_priority(prof.cache.background_nice)
         self.stage = CacheStage(policy, prof.cache, ring_names(v, self.get_namespace()), prof.arm_slices)
-        self.diag_pub = self.create_publisher(DiagnosticArray, DIAGNOSTICS_TOPIC, 10)
-        self.create_subscription(ReferenceSelection, SELECTION_TOPIC, self._on_selection, 10)
+        own = self.own
+        own(self.create_subscription(ReferenceSelection, SELECTION_TOPIC, self._on_selection, 10))
         self.episode = 0   # counted from EPISODE_TOPIC as the policy node counts it (its requests carry it)
-        self.create_subscription(Empty, EPISODE_TOPIC, self._on_episode_start, 10)
-        subscribe_instruction(self, prof.instruction_topic, self._on_instruction)   # latched or not
-        self.create_timer(0.1, self.stage.heartbeat)
-        self.create_timer(1.0, self._publish_diagnostics)
+        own(self.create_subscription(Empty, EPISODE_TOPIC, self._on_episode_start, 10))
+        for sub in subscribe_instruction(self, prof.instruction_topic, self._on_instruction):   # latched or not
+            own(sub)
+        self.watch_peers({POLICY_STATUS: "policy"})
+        own(self.create_timer(0.1, self.stage.heartbeat))
+        own(self.create_timer(1.0, self._publish_diagnostics))
         state = f"on, fallback: {self.stage.fallback_rule}" if self.stage.enabled else \
             f"off ({self.stage.disabled_reason})"
-        self.get_logger().info(f"cache manager up: profile {prof.name}, repository {prof.cache.repository}, "
+        self.get_logger().info(f"cache manager configured: profile {prof.name}, repository {prof.cache.repository}, "
                                f"cache {state}")
 
     def _on_selection(self, msg: ReferenceSelection) -> None:
+        if not self.active:   # inactive: the window stays as published
+            return
         match = Match(msg.episode_id, int(msg.index), float(msg.similarity), float("nan")) if msg.found else None
         sel = Selection(int(msg.request_seq), msg.task, int(msg.episode), match, tuple(msg.candidates), msg.reason,
                         bool(msg.restart), bool(msg.dense_for_episode))
@@ -74,6 +94,8 @@ class CacheManagerNode(Node):
     def _on_instruction(self, msg: String) -> None:
         """A new instruction: prepare its task's initial window now, before the first call needs
         it (a call finding no window of its task runs dense; it never waits)."""
+        if not self.active:
+            return
         try:
             task = instruction_from_msg(msg)
         except InputError:
@@ -88,6 +110,8 @@ class CacheManagerNode(Node):
         counts ever differ, the first selection note starts the episode itself (only later)."""
         self.episode += 1
         w = self.stage.worker
+        if not self.active:
+            return
         if w is not None and w.manager.task is not None:
             self._begin(w.manager.task)
 
@@ -97,7 +121,8 @@ class CacheManagerNode(Node):
         self.get_logger().info(f"episode {self.episode} of {task!r} prepared ahead in {time.perf_counter() - t0:.3f} s")
 
     def _on_parameter(self, name: str, value: object) -> None:
-        if name == "time_available_s":   # from the next call's upkeep on
+        super()._on_parameter(name, value)
+        if name == "time_available_s" and self.stage is not None:   # from the next call's upkeep on
             self.time_available_s = float(value) or self.chunk_s
 
     def _publish_diagnostics(self) -> None:
@@ -105,12 +130,12 @@ class CacheManagerNode(Node):
                   "enabled": str(self.stage.enabled), "time_available_s": f"{self.time_available_s:.3f}"}
         if self.stage.worker is not None:
             values |= self.stage.worker.diagnostics()
+        peers, silent, unheard = self.peer_health()
+        values |= peers | {"lifecycle": self.state_label}
         warn = "" if self.stage.enabled else f"cache disabled: {self.stage.disabled_reason}"
-        self.diag_pub.publish(diagnostic_array(self, "vla_runtime: cache manager", self.profile.name, values, warn))
-
-    def destroy_node(self) -> None:
-        self.stage.close()
-        super().destroy_node()
+        warn = "; ".join(w for w in (warn, unheard) if w)
+        self.diag_pub.publish(diagnostic_array(self, "vla_runtime: cache manager", self.profile.name, values, warn,
+                                               silent))
 
 
 def main(args: list[str] | None = None) -> None:

@@ -64,6 +64,12 @@ DTYPE = Param("", "float32, bfloat16 or float16; overrides engine.dtype ('' keep
               one_of("", "float32", "bfloat16", "float16"))
 CACHE = Param("", "on or off: overrides cache.enabled ('' keeps it; on needs cache.repository)", one_of("", "on", "off"))
 OVERRIDES = {"device": DEVICE, "dtype": DTYPE, "cache": CACHE}
+AUTOSTART = Param(True, "true: the node configures (loads, warms up, attaches its rings) and activates itself at "
+                         "start-up; false: it waits unconfigured for its lifecycle transitions (an external "
+                         "lifecycle manager, `ros2 lifecycle set`)")
+PEER_TIMEOUT = Param(3.0, "the policy node not heard (its 1 Hz diagnostics) for this long (s) is reported as an "
+                          "ERROR on /diagnostics naming it; in [0.5, 3600] (run-time)",
+                     in_range(0.5, 3600.0), dynamic=True)
 MAX_INPUT_AGE = Param(1.0, "header stamps older than this (s) are refused; 0 turns the check off (run-time)",
                       in_range(0.0, 3600.0), dynamic=True)
 MAX_FUTURE = Param(0.5, "header stamps further ahead of this node's clock (s) are refused; 0 turns the check off "
@@ -73,6 +79,8 @@ VISION = {
     "profile": PROFILE,
     "checkpoint": CHECKPOINT,
     **OVERRIDES,
+    "autostart": AUTOSTART,
+    "peer_timeout_s": PEER_TIMEOUT,
     "ring": Param("", "name of the prefix ring buffer (shared memory) this node creates; '' derives it from the "
                       "namespace (vla_prefix, vla_prefix_<ns>)", ring_param),
     "working_set": Param("", "name of the cache manager's working-set ring buffer (reference selection and the "
@@ -94,6 +102,7 @@ POLICY = {
     "profile": PROFILE,
     "checkpoint": CHECKPOINT,
     **OVERRIDES,
+    "autostart": AUTOSTART,
     "working_set": Param("", "name of the cache manager's working-set ring buffer (Action Cache masks); '' derives "
                              "it from the namespace", ring_param),
     "seed": Param(0, "noise seed: call n uses seed * 1000003 + n (reproducible chunks); >= 0", in_range(0, 2**62)),
@@ -108,6 +117,8 @@ CACHE_MANAGER = {
     "profile": Param("", "robot profile YAML (config/<robot>.yaml); its cache section configures this node"),
     "checkpoint": CHECKPOINT,
     **OVERRIDES,
+    "autostart": AUTOSTART,
+    "peer_timeout_s": PEER_TIMEOUT,
     "working_set": Param("", "name of the working-set ring buffer this node creates; '' derives it from the "
                              "namespace", ring_param),
     "time_available_s": Param(0.0, "rebuild budget per call for entries entering the window (rMuscle T_avl), "

@@ -13,6 +13,10 @@ node's leftover) or arriving past the watchdog deadline is not executed; nothing
 leaves the joint limits; when the plan goes stale (no chunk within ``streaming.watchdog_s``) a
 one-point trajectory at the held command replaces what the controller was executing.
 Diagnostics go out after every chunk, on every hold and once a second.
+
+A managed (lifecycle) node (``managed.ManagedNode``): configure loads and warms up the model,
+activate starts the control timer, deactivate stops commanding and holds the robot where it is
+(``lifecycle.hold_target``), cleanup releases the ring mapping and the weights.
 """
 
 from __future__ import annotations
@@ -25,7 +29,6 @@ import numpy as np
 from builtin_interfaces.msg import Duration, Time
 from diagnostic_msgs.msg import DiagnosticArray
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
-from rclpy.node import Node
 from sensor_msgs.msg import JointState
 from std_msgs.msg import Empty, Float64MultiArray, String
 from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
@@ -37,8 +40,10 @@ from ..io.messages import InputError, JointStateAssembler
 from ..ipc.ring import RingBufferError
 from .adapters import gripper_positions, group_commands, single_commands, trajectory_parts
 from .conversions import StampCheck, chunk_to_trajectory, implausible_joints, instruction_from_msg, points_passed, stamp_ns
-from .diagnostics import DIAGNOSTICS_TOPIC, diagnostic_array
-from .params import POLICY, declare_parameters, profile_and_checkpoint, ring_names
+from .diagnostics import DIAGNOSTICS_TOPIC, POLICY_STATUS, diagnostic_array
+from .lifecycle import hold_target
+from .managed import SHUTDOWN_WAIT_S, ManagedNode
+from .params import POLICY, profile_and_checkpoint, ring_names
 from .prefix_ring import EPISODE_TOPIC, READY_TOPIC, REQUEST_TOPIC, subscribe_instruction
 from .spin import CallbackGate, gated, run
 from .stages import PolicyStage, SlotNote, cache_config, load_policy, open_repository_meta
@@ -54,14 +59,26 @@ class Asked:
 
     clock_s: float
     monotonic_ns: int
-SHUTDOWN_WAIT_S = 5.0   # for the chunk being computed at shutdown
 
 
-class PolicyNode(Node):
+class PolicyNode(ManagedNode):
+    """Managed: configure loads and warms up the model and makes the subscriptions and outputs;
+    activate starts the control timer (commands and requests go out only while active);
+    deactivate stops it and holds the robot where it is; cleanup releases the ring mapping and
+    the weights. Diagnostics go out whenever the node is configured."""
+
     def __init__(self) -> None:
-        super().__init__("vla_policy")
-        v = declare_parameters(self, PARAMETERS, self._on_parameter)
-        self.params = v
+        super().__init__("vla_policy", PARAMETERS)
+        self.lock = threading.Lock()
+        # destroy_node / deactivate wait for the chunk in flight before closing the rings; open only while active
+        self.gate = CallbackGate(closed=True)
+        self.stage: PolicyStage | None = None
+        self.tick_timer = None
+        self.diag_pub = self.create_publisher(DiagnosticArray, DIAGNOSTICS_TOPIC, 10)
+
+    # ------------------------------------------------------------ lifecycle
+    def _setup(self) -> None:
+        v = self.params
         self.profile, ckpt = profile_and_checkpoint(v)
         prof = self.profile
         policy = load_policy(ckpt, self.profile.engine, [c.name for c in self.profile.cameras], prof.state_dim,
@@ -69,20 +86,11 @@ class PolicyNode(Node):
                              control_hz=self.profile.control_hz)
         cc = cache_config(prof.cache, open_repository_meta(prof.cache, policy))
         self.stage = PolicyStage(policy, ring_names(v, self.get_namespace()), cc, int(v["seed"]))
-        s = prof.streaming
-        self.controller = StreamingController(
-            ControllerConfig(control_hz=prof.control_hz, chunk_size=policy.engine.cfg.chunk_size,
-                             action_dim=prof.state_dim, stitch=s.stitch, predictor=s.predictor,
-                             max_obs_age_s=s.max_obs_age_s, watchdog_s=s.watchdog_s, on_stale=s.on_stale,
-                             stream_horizon=s.stream_horizon),
-            prof.joint_limits())
+        self.stage.warm_up()
+        self.chunk_size = policy.engine.cfg.chunk_size
+        self._new_plan()
         self.joints = JointStateAssembler(prof.joint_names)
         self.task: str | None = None
-        self.lock = threading.Lock()
-        self.gate = CallbackGate()   # destroy_node waits for the chunk in flight before closing the rings
-        self.t0_ns: int | None = None
-        self.tick = -1
-        self.requested_at: dict[int, Asked] = {}
         self.request_timeouts = 0
         self.cached_calls = 0
         self.refused_joint_states = 0
@@ -94,15 +102,17 @@ class PolicyNode(Node):
         self.last_latency_s = float("nan")
         self.implausible_joint_states = 0
         self.last_implausible = ""
+        own, lifecycle_pub = self.own, self.create_lifecycle_publisher
         for topic in prof.joint_states_topics:
-            self.create_subscription(JointState, topic, self._on_joints, 10)
+            own(self.create_subscription(JointState, topic, self._on_joints, 10))
         # latched: an instruction published before this node started is still received
-        subscribe_instruction(self, prof.instruction_topic, self._on_instruction)   # latched or not
+        for sub in subscribe_instruction(self, prof.instruction_topic, self._on_instruction):   # latched or not
+            own(sub)
         self.episode = 0   # bumped by EPISODE_TOPIC: the same task again (e.g. the next part at a station)
-        self.create_subscription(Empty, EPISODE_TOPIC, self._on_episode_start, 10)
-        self.request_pub = self.create_publisher(PrefixRequest, REQUEST_TOPIC, 10)
-        self.chunk_pub = self.create_publisher(ActionChunk, "vla_runtime/action_chunk", 10)
-        self.diag_pub = self.create_publisher(DiagnosticArray, DIAGNOSTICS_TOPIC, 10)
+        own(self.create_subscription(Empty, EPISODE_TOPIC, self._on_episode_start, 10))
+        # lifecycle publishers: requests, chunks and commands go out only while active
+        self.request_pub = own(lifecycle_pub(PrefixRequest, REQUEST_TOPIC, 10))
+        self.chunk_pub = own(lifecycle_pub(ActionChunk, "vla_runtime/action_chunk", 10))
         self.group_cmd = self.single_cmd = None
         self.traj_pubs, self.group_pubs, self.single_pubs = [], [], []
         self.gripper_traj_pub = self.gripper_array_pub = None
@@ -114,20 +124,58 @@ class PolicyNode(Node):
                                  "interbotix_xs_msgs package (the Interbotix ROS 2 workspace); source it, or set "
                                  "output.kind: joint_trajectory with a trajectory controller topic") from None
             self.group_cmd, self.single_cmd = JointGroupCommand, JointSingleCommand
-            self.group_pubs = [self.create_publisher(JointGroupCommand, t, 10) for t in prof.output.topics]
-            self.single_pubs = [self.create_publisher(JointSingleCommand, t, 10) for t in prof.output.single_topics]
+            self.group_pubs = [own(lifecycle_pub(JointGroupCommand, t, 10)) for t in prof.output.topics]
+            self.single_pubs = [own(lifecycle_pub(JointSingleCommand, t, 10)) for t in prof.output.single_topics]
         else:
-            self.traj_pubs = [self.create_publisher(JointTrajectory, t, 10) for t in prof.output.topics]
+            self.traj_pubs = [own(lifecycle_pub(JointTrajectory, t, 10)) for t in prof.output.topics]
             if prof.output.gripper_kind == "joint_trajectory":
-                self.gripper_traj_pub = self.create_publisher(JointTrajectory, prof.output.gripper_topic, 10)
+                self.gripper_traj_pub = own(lifecycle_pub(JointTrajectory, prof.output.gripper_topic, 10))
             elif prof.output.gripper_kind == "float64_array":
-                self.gripper_array_pub = self.create_publisher(Float64MultiArray, prof.output.gripper_topic, 10)
-        self.create_subscription(SlotReady, READY_TOPIC, self._on_slot, 10,
-                                 callback_group=MutuallyExclusiveCallbackGroup())
-        self.create_timer(1.0 / prof.control_hz, self._on_tick, callback_group=MutuallyExclusiveCallbackGroup())
-        self.create_timer(1.0, self._publish_diagnostics)
-        self.get_logger().info(f"policy node up: profile {prof.name}, {prof.control_hz} Hz, checkpoint {ckpt}, "
-                               f"action cache {'on' if cc is not None else 'off'}")
+                self.gripper_array_pub = own(lifecycle_pub(Float64MultiArray, prof.output.gripper_topic, 10))
+        own(self.create_subscription(SlotReady, READY_TOPIC, self._on_slot, 10,
+                                     callback_group=MutuallyExclusiveCallbackGroup()))
+        own(self.create_timer(1.0, self._publish_diagnostics))
+        self.get_logger().info(f"policy node configured: profile {prof.name}, {prof.control_hz} Hz, checkpoint "
+                               f"{ckpt}, action cache {'on' if cc is not None else 'off'}")
+
+    def _new_plan(self) -> None:
+        """A fresh plan and clock: what an activation starts from (the last one's ticks are past)."""
+        prof, s = self.profile, self.profile.streaming
+        self.controller = StreamingController(
+            ControllerConfig(control_hz=prof.control_hz, chunk_size=self.chunk_size,
+                             action_dim=prof.state_dim, stitch=s.stitch, predictor=s.predictor,
+                             max_obs_age_s=s.max_obs_age_s, watchdog_s=s.watchdog_s, on_stale=s.on_stale,
+                             stream_horizon=s.stream_horizon),
+            prof.joint_limits())
+        self.t0_ns: int | None = None
+        self.tick = -1
+        self.requested_at: dict[int, Asked] = {}
+
+    def _enable(self) -> None:
+        with self.lock:
+            self._new_plan()
+        self.gate.open()
+        self.tick_timer = self.own(self.create_timer(1.0 / self.profile.control_hz, self._on_tick,
+                                                     callback_group=MutuallyExclusiveCallbackGroup()))
+
+    def _disable(self) -> None:
+        """Stop commanding: no more ticks, wait for a chunk being computed (its result is not
+        merged: the gate is closed), then hold the robot where it is (``hold_target``)."""
+        if self.tick_timer is not None:
+            self.drop(self.tick_timer)
+            self.tick_timer = None
+        if not self.gate.close(SHUTDOWN_WAIT_S):
+            self.get_logger().error(f"a chunk was still being computed {SHUTDOWN_WAIT_S} s after deactivation "
+                                    "began: its result is dropped")
+        with self.lock:
+            target = hold_target(self.controller, self.joints.vector() if self.joints.complete() else None)
+            if self.controller.in_flight is not None:
+                self.requested_at.pop(self.controller.in_flight.request_seq, None)
+                self.controller.abandon(max(self.tick, 0))
+        if target is not None:
+            self._publish_command(target)
+            if self.traj_pubs:
+                self._publish_hold(target, "deactivated: holding the robot where it is")
 
     @property
     def request_timeout_s(self) -> float:
@@ -136,9 +184,6 @@ class PolicyNode(Node):
     def _now_ns(self) -> int:
         """This node's clock: ROS time, or /clock with use_sim_time (ticks, ages, latencies)."""
         return self.get_clock().now().nanoseconds
-
-    def _on_parameter(self, name: str, value: object) -> None:
-        self.params[name] = value   # read on every use: takes effect from the next message / tick
 
     def _refuse(self, what: str) -> None:
         self.last_refusal = what
@@ -210,14 +255,7 @@ class PolicyNode(Node):
                 return
         if went_stale and self.traj_pubs:
             self._publish_hold(command.action)
-        if self.gripper_array_pub is not None:   # a forward command controller: the command every tick
-            fingers = gripper_positions(self.profile.output, command.action[None])[0]
-            self.gripper_array_pub.publish(Float64MultiArray(data=[float(x) for x in fingers]))
-        if self.group_cmd is not None:   # Interbotix arms take their commands every control tick
-            for c in group_commands(self.profile.output, command.action):
-                self.group_pubs[c.topic_index].publish(self.group_cmd(name=c.name, cmd=list(c.values)))
-            for c in single_commands(self.profile.output, command.action):
-                self.single_pubs[c.topic_index].publish(self.single_cmd(name=c.name, cmd=c.values[0]))
+        self._publish_command(command.action)
         if req is not None:
             self.requested_at[req.request_seq] = Asked(now_ns * 1e-9, time.monotonic_ns())
             msg = PrefixRequest()
@@ -277,12 +315,24 @@ class PolicyNode(Node):
                       "cached" if result.cached else "dense")
         self._publish_diagnostics()
 
-    def _publish_hold(self, action: np.ndarray) -> None:
-        """The plan went stale: a one-point trajectory at the held command, effective now, replaces
-        what the trajectory controller is executing (it would otherwise play the stale plan out)."""
+    def _publish_command(self, action: np.ndarray) -> None:
+        """The outputs that take a command every control tick (none with trajectory controllers only)."""
+        if self.gripper_array_pub is not None:   # a forward command controller: the command every tick
+            fingers = gripper_positions(self.profile.output, action[None])[0]
+            self.gripper_array_pub.publish(Float64MultiArray(data=[float(x) for x in fingers]))
+        if self.group_cmd is not None:   # Interbotix arms take their commands every control tick
+            for c in group_commands(self.profile.output, action):
+                self.group_pubs[c.topic_index].publish(self.group_cmd(name=c.name, cmd=list(c.values)))
+            for c in single_commands(self.profile.output, action):
+                self.single_pubs[c.topic_index].publish(self.single_cmd(name=c.name, cmd=c.values[0]))
+
+    def _publish_hold(self, action: np.ndarray, why: str = "") -> None:
+        """The plan went stale (or the node is deactivated): a one-point trajectory at the held
+        command, effective now, replaces what the trajectory controller is executing (it would
+        otherwise play the stale plan out)."""
         self._send_plan(self.controller.within_limits(action[None]), self._now_ns(), "hold")
         self.holds_published += 1
-        self.get_logger().warning(f"no fresh chunk within {self.profile.streaming.watchdog_s} s: holding")
+        self.get_logger().warning(why or f"no fresh chunk within {self.profile.streaming.watchdog_s} s: holding")
         self._publish_diagnostics()
 
     def _publish(self, request_seq: int, chunk: np.ndarray, first_tick: int, upcoming: np.ndarray,
@@ -330,7 +380,7 @@ class PolicyNode(Node):
         c = self.controller
         warn = ("plan stale: holding" if self.tick >= 0 and c.watchdog.is_stale(self.tick) else
                 "plan went stale at least once" if c.watchdog.stale_events else "")
-        self.diag_pub.publish(diagnostic_array(self, "vla_runtime: policy", self.profile.name, values, warn))
+        self.diag_pub.publish(diagnostic_array(self, POLICY_STATUS, self.profile.name, values, warn))
 
     def _diagnostic_values(self) -> dict[str, str]:
         c = self.controller
@@ -349,16 +399,9 @@ class PolicyNode(Node):
                   "last_implausible": self.last_implausible,
                   "instruction_changes": str(self.instruction_changes), "task": self.task or "",
                   "last_refusal": self.last_refusal,
-                  "plan_stale": str(self.tick >= 0 and c.watchdog.is_stale(self.tick))}
+                  "plan_stale": str(self.tick >= 0 and c.watchdog.is_stale(self.tick)),
+                  "lifecycle": self.state_label}
         return values
-
-    def destroy_node(self) -> None:
-        if self.gate.close(SHUTDOWN_WAIT_S):
-            self.stage.close()
-        else:   # unmapping under a running call would fault; the vision node replaces its segments
-            self.get_logger().error(f"a chunk was still being computed {SHUTDOWN_WAIT_S} s after shutdown began: "
-                                    "leaving the ring buffers mapped")
-        super().destroy_node()
 
 
 def main(args: list[str] | None = None) -> None:

@@ -14,22 +14,22 @@ SELECTION_TOPIC = "vla_runtime/reference_selection"   # vision -> cache manager:
 EPISODE_TOPIC = "vla_runtime/episode_start"    # robot -> policy: std_msgs/Empty, the same task starts again
 
 
-def subscribe_instruction(node, topic: str, callback) -> None:
+def subscribe_instruction(node, topic: str, callback) -> list:
     """The two instruction subscriptions of a node. DDS matches a transient-local subscription
     only with transient-local publishers, and a volatile one gets no history: so one of each.
     The transient-local one receives an instruction latched (``ros2 topic pub --qos-durability
     transient_local``) before the node started; the volatile one hears an ordinary ``ros2 topic
     pub`` (the latched one's "incompatible QoS" report about such a publisher is silenced: its
     twin receives it). A latched message arrives on both: the second copy is the same task,
-    which changes nothing."""
+    which changes nothing. Returns both (a managed node destroys them on cleanup)."""
     from rclpy.event_handler import SubscriptionEventCallbacks
     from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
     from std_msgs.msg import String
 
     latched = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.TRANSIENT_LOCAL)
-    node.create_subscription(String, topic, callback, latched,
-                             event_callbacks=SubscriptionEventCallbacks(incompatible_qos=lambda _event: None))
-    node.create_subscription(String, topic, callback, 10)
+    return [node.create_subscription(String, topic, callback, latched,
+                                     event_callbacks=SubscriptionEventCallbacks(incompatible_qos=lambda _event: None)),
+            node.create_subscription(String, topic, callback, 10)]
 
 
 def prefix_layout(spec: PrefixSlotSpec) -> SlotLayout:

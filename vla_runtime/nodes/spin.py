@@ -21,12 +21,13 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 class CallbackGate:
-    """Counts the callbacks in flight; once closing, new ones are skipped."""
+    """Counts the callbacks in flight; once closing, new ones are skipped. A managed node opens
+    it again when it is configured (or activated) again (``open``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, closed: bool = False) -> None:
         self._cond = threading.Condition()
         self._active = 0
-        self._closing = False
+        self._closing = closed
 
     @property
     def closing(self) -> bool:
@@ -45,6 +46,11 @@ class CallbackGate:
                 with self._cond:
                     self._active -= 1
                     self._cond.notify_all()
+
+    def open(self) -> None:
+        """Let callbacks in again."""
+        with self._cond:
+            self._closing = False
 
     def close(self, timeout_s: float, wake: Callable[[], None] = lambda: None) -> bool:
         """Refuse new callbacks, call ``wake`` (to cut short the waits of those in flight) and
@@ -140,7 +146,12 @@ def start_failure(name: str, exc: BaseException) -> str:
 def run(make_node: Callable[[], object], name: str, threads: int = 1, args: list[str] | None = None) -> None:
     """Start ``make_node`` and spin it until shutdown. A node that cannot start (bad profile,
     checkpoint, device, parameter) prints one line saying why on stderr and the process exits
-    with ``START_FAILED``, so that a launcher, or a shell, sees the failure and its reason."""
+    with ``START_FAILED``, so that a launcher, or a shell, sees the failure and its reason.
+
+    A node with a ``start()`` method (a managed node, ``managed.ManagedNode``) has it called
+    before spinning: its own configure and activate with ``autostart``, where a failure is a
+    start failure too. One whose ``finished`` becomes true (the lifecycle ``shutdown``
+    transition) ends the spin, and the process exits 0."""
     import rclpy
     from rclpy._rclpy_pybind11 import RCLError
     from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor, SingleThreadedExecutor
@@ -155,6 +166,13 @@ def run(make_node: Callable[[], object], name: str, threads: int = 1, args: list
     signal.signal(signal.SIGTERM, stop)
     try:
         node = make_node()
+        start = getattr(node, "start", None)
+        if callable(start):
+            try:
+                start()
+            except BaseException:
+                node.destroy_node()   # what a half-done configure made (rings) goes with it
+                raise
     except (Exception, KeyboardInterrupt) as e:   # noqa: BLE001 - every reason is reported the same way
         print(start_failure(name, e), file=sys.stderr, flush=True)
         rclpy.try_shutdown()
@@ -162,7 +180,8 @@ def run(make_node: Callable[[], object], name: str, threads: int = 1, args: list
     executor = MultiThreadedExecutor(num_threads=threads) if threads > 1 else SingleThreadedExecutor()
     executor.add_node(node)
     try:
-        spin_until_shutdown(lambda: spin_interruptibly(executor, lambda: rclpy.ok() and not stop.requested),
+        spin_until_shutdown(lambda: spin_interruptibly(executor, lambda: rclpy.ok() and not stop.requested
+                                                       and not getattr(node, "finished", False)),
                             rclpy.ok, (RCLError, ExternalShutdownException))
     finally:
         ignore_sigint()

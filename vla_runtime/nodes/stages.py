@@ -263,6 +263,15 @@ class VisionStage:
         self.last_timer = timer
         return SlotNote(self.prefix.name, slot, seq, self.prefix.layout.tag)
 
+    def warm_up(self) -> None:
+        """One call on blank images into a private buffer (not the ring: nothing is announced), so
+        that the first real call does not pay for lazy initialisation (a managed node's configure)."""
+        policy = self.worker.policy
+        size = policy.engine.cfg.vision.image_size
+        obs = Observation(images={c: np.zeros((size, size, 3), np.uint8) for c in policy.camera_names},
+                          state=np.zeros(policy.state_dim, np.float32), task="warm up")
+        self.worker.encode(obs, self.worker.spec.allocate(), observation_seq=0, stamp_ns=0)
+
     def heartbeat(self) -> None:
         self.prefix.heartbeat()
 
@@ -437,6 +446,14 @@ class PolicyStage:
         noise_key = int(info.meta.get("noise_key", request_seq))
         chunk = self.worker.act(self.slot_buf, meta, generator=self.generator(noise_key), masks=masks)
         return ChunkResult(request_seq, int(info.meta["start_tick"]), chunk, self.worker.last_used_masks, meta)
+
+    def warm_up(self) -> None:
+        """One denoising of a one-row blank prefix (a managed node's configure: the first real
+        chunk does not pay for lazy initialisation). Reads no ring."""
+        meta = PrefixMeta(length=1, valid_len=1, cameras=0, state_dim=self.worker.policy.state_dim,
+                          observation_seq=0, stamp_ns=0)
+        blank = {name: torch.zeros_like(t) for name, t in self.slot_buf.items()}
+        self.worker.act(blank, meta, generator=self.generator(0))
 
     def close(self) -> None:
         if self.prefix is not None:

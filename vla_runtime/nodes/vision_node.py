@@ -10,14 +10,18 @@ cache manager afterwards what it chose (``ReferenceSelection``); it never waits 
 Camera messages are checked at the boundary (``conversions``): encoding, size, stamps from the
 future or too old; a camera that stops sending new frames or freezes (the same stamp again and
 again) is stale, and a request is then refused (the policy node's watchdog holds the robot)
-until it sends new frames. Diagnostics go out after every call, every refusal and once a second.
+until it sends new frames. Diagnostics go out after every call, every refusal and once a second; they report the policy
+node as an ERROR, by name, when its own diagnostics stop for ``peer_timeout_s`` (it died: the
+robot's controller holds as for any silent publisher, and the launch does not restart it).
+
+A managed (lifecycle) node (``managed.ManagedNode``): configure loads, warms up and creates the
+prefix ring, activate starts prefilling, deactivate stops it, cleanup releases the ring and weights.
 """
 
 from __future__ import annotations
 
 from diagnostic_msgs.msg import DiagnosticArray
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
-from rclpy.node import Node
 from rclpy.qos import qos_profile_sensor_data
 from sensor_msgs.msg import CompressedImage, Image
 
@@ -25,52 +29,61 @@ from vla_runtime.msg import PrefixRequest, ReferenceSelection, SlotReady
 
 from ..io.messages import InputError, image_from_msg
 from .conversions import CameraFeed, StampCheck, stamp_ns, usable_images
-from .diagnostics import DIAGNOSTICS_TOPIC, diagnostic_array
-from .params import VISION, declare_parameters, profile_and_checkpoint, ring_names
+from .diagnostics import DIAGNOSTICS_TOPIC, POLICY_STATUS, diagnostic_array
+from .managed import ManagedNode
+from .params import VISION, profile_and_checkpoint, ring_names
 from .prefix_ring import READY_TOPIC, REQUEST_TOPIC, SELECTION_TOPIC
 from .spin import CallbackGate, gated, run
 from .stages import PrefixRequestNote, Selection, VisionStage, load_policy
 
 PARAMETERS = VISION
-SHUTDOWN_WAIT_S = 5.0   # for the call in flight at shutdown
 
 
-class VisionNode(Node):
+class VisionNode(ManagedNode):
+    """Managed: configure loads and warms up the model, creates the prefix ring and subscribes to
+    the cameras (their feeds stay fresh while inactive); activate starts answering prefix
+    requests (inactive, a request is counted and not prefilled: the policy holds); cleanup
+    unmaps and unlinks the ring and drops the weights."""
+
     def __init__(self) -> None:
-        super().__init__("vla_vision")
-        v = declare_parameters(self, PARAMETERS, self._on_parameter)
-        self.params = v
+        super().__init__("vla_vision", PARAMETERS)
+        self.gate = CallbackGate(closed=True)   # cleanup waits for the call in flight before closing the rings
+        self.stage: VisionStage | None = None
+        self.diag_pub = self.create_publisher(DiagnosticArray, DIAGNOSTICS_TOPIC, 10)
+
+    def _setup(self) -> None:
+        v = self.params
         self.profile, ckpt = profile_and_checkpoint(v)
         policy = load_policy(ckpt, self.profile.engine, [c.name for c in self.profile.cameras], self.profile.state_dim,
                              role="vision",
                              control_hz=self.profile.control_hz)
         cache = self.profile.cache if self.profile.cache.enabled else None
         self.stage = VisionStage(policy, ring_names(v, self.get_namespace()), int(v["ring_slots"]), cache, self.profile.arm_slices)
+        self.stage.warm_up()
         self.feeds = {c.name: CameraFeed(c.name) for c in self.profile.cameras}
         self.refused_images = 0
         self.refused_requests = 0
+        self.requests_while_inactive = 0
         self.last_refusal = ""
         self.stale: list[str] = []
         self.missing: list[str] = []
         self.calls = 0
-        self.gate = CallbackGate()   # destroy_node waits for the call in flight before closing the rings
+        own = self.own
         images = MutuallyExclusiveCallbackGroup()   # frames keep arriving while a call is encoded
         for cam in self.profile.cameras:
             kind = CompressedImage if cam.compressed else Image
-            self.create_subscription(kind, cam.topic, lambda m, c=cam: self._on_image(c, m), qos_profile_sensor_data,
-                                     callback_group=images)
-        self.create_subscription(PrefixRequest, REQUEST_TOPIC, self._on_request, 10)
-        self.ready_pub = self.create_publisher(SlotReady, READY_TOPIC, 10)
-        self.diag_pub = self.create_publisher(DiagnosticArray, DIAGNOSTICS_TOPIC, 10)
-        self.selection_pub = self.create_publisher(ReferenceSelection, SELECTION_TOPIC, 10) \
+            own(self.create_subscription(kind, cam.topic, lambda m, c=cam: self._on_image(c, m),
+                                         qos_profile_sensor_data, callback_group=images))
+        own(self.create_subscription(PrefixRequest, REQUEST_TOPIC, self._on_request, 10))
+        self.ready_pub = own(self.create_lifecycle_publisher(SlotReady, READY_TOPIC, 10))
+        self.selection_pub = own(self.create_lifecycle_publisher(ReferenceSelection, SELECTION_TOPIC, 10)) \
             if self.stage.selector is not None else None
-        self.create_timer(0.1, self._heartbeat)
-        self.create_timer(1.0, self._publish_diagnostics)
-        self.get_logger().info(f"vision node up: profile {self.profile.name}, checkpoint {ckpt}, ring "
+        self.watch_peers({POLICY_STATUS: "policy"})
+        own(self.create_timer(0.1, self._heartbeat))
+        own(self.create_timer(1.0, self._publish_diagnostics))
+        self.gate.open()
+        self.get_logger().info(f"vision node configured: profile {self.profile.name}, checkpoint {ckpt}, ring "
                                f"{self.stage.prefix.name}, cache {'on' if self.stage.selector is not None else 'off'}")
-
-    def _on_parameter(self, name: str, value: object) -> None:
-        self.params[name] = value   # read on every use: takes effect from the next message / call
 
     def _stamps(self) -> StampCheck:
         return StampCheck(float(self.params["max_input_age_s"]), float(self.params["max_future_s"]))
@@ -110,6 +123,9 @@ class VisionNode(Node):
 
     @gated
     def _on_request(self, req: PrefixRequest) -> None:
+        if not self.active:   # configured but not active: no prefill (the policy holds until activation)
+            self.requests_while_inactive += 1
+            return
         images, self.missing, self.stale = usable_images(self.feeds, self.get_clock().now().nanoseconds,
                                                          float(self.params["max_image_age_s"]),
                                                          int(self.params["frozen_after"]))
@@ -152,17 +168,12 @@ class VisionNode(Node):
         values["cache_halves"] = self.stage.cache_reason
         if self.stage.selector is not None:
             values |= self.stage.selector.diagnostics()
+        peers, silent, unheard = self.peer_health()
+        values |= peers | {"lifecycle": self.state_label, "requests_while_inactive": str(self.requests_while_inactive)}
         warn = ("camera(s) stale, calls refused: " + "; ".join(self.stale) if self.stale else
                 "camera(s) missing: " + ", ".join(self.missing) if self.missing else "")
-        self.diag_pub.publish(diagnostic_array(self, "vla_runtime: vision", self.profile.name, values, warn))
-
-    def destroy_node(self) -> None:
-        if self.gate.close(SHUTDOWN_WAIT_S):
-            self.stage.close()
-        else:   # unmapping under a running call would fault; the next start replaces the segments
-            self.get_logger().error(f"a call was still running {SHUTDOWN_WAIT_S} s after shutdown began: "
-                                    "leaving the ring buffers to the next start")
-        super().destroy_node()
+        warn = "; ".join(w for w in (warn, unheard) if w)
+        self.diag_pub.publish(diagnostic_array(self, "vla_runtime: vision", self.profile.name, values, warn, silent))
 
 
 def main(args: list[str] | None = None) -> None:

@@ -16,6 +16,45 @@ import numpy as np
 
 from .netns import ros_env, run_in_private_netns
 
+CAMERAS = ("top", "wrist")
+
+
+def demo_robot(root: Path, sim_profile: Path) -> dict:
+    """What ROS scenarios and benchmarks run on: a pi05-tiny demo checkpoint, a repository built
+    from its reference episodes, the sim profile (``sim_profile``) pointed at both (cache on, 20 Hz,
+    one torch thread per node), and the first frame of a held-out episode. Callers change a deep
+    copy of the profile, never the dict itself."""
+    import yaml
+
+    from ..cache.builder import BuildConfig, build_repository
+    from ..commands.demo import DemoSpec, demo_topics, make_demo
+    from ..engine.policy import Pi05Policy
+    from ..io.bags import list_episode_bags, read_episode
+
+    demo = make_demo(root / "demo", DemoSpec(preset="pi05-tiny", episodes=3, held_out=1, steps_per_episode=20),
+                     log=lambda m: None)
+    builder = Pi05Policy.from_checkpoint(demo["checkpoint"], camera_names=list(CAMERAS))
+    build_repository(builder, builder.checkpoint_hash, list_episode_bags(demo["references"]), root / "repo",
+                     demo_topics(CAMERAS), call_period=0.5, cfg=BuildConfig(rho_n=0.5), log=lambda m: None)
+    profile = yaml.safe_load(Path(sim_profile).read_text())
+    profile["engine"].update(checkpoint=str(demo["checkpoint"]), preset="pi05-tiny", threads=1)
+    profile["control_hz"] = 20.0
+    profile["cache"] = {"enabled": True, "repository": str(root / "repo")}
+    episode = read_episode(list_episode_bags(demo["held_out"])[0], demo_topics(CAMERAS), call_period=0.5)
+    frame = episode.frames[0]
+    return {"checkpoint": demo["checkpoint"], "repo": root / "repo", "profile": profile, "task": episode.task,
+            "state": np.asarray(frame.state).tolist(),
+            "images": {c: np.asarray(frame.images[c], dtype=np.uint8).tolist() for c in CAMERAS}}
+
+
+def robot_spec(demo: dict, profile_path: Path, logs: Path, rings: str, timeout: float) -> dict:
+    """The spec a scenario's ``TestRobot`` (``testing.robot``) and node processes start from."""
+    profile = demo["profile"]
+    return {"profile": str(profile_path), "logs": str(logs), "images": demo["images"], "state": demo["state"],
+            "task": demo["task"], "joint_names": profile["joint_names"], "lower": profile["joint_lower"],
+            "upper": profile["joint_upper"], "cameras": {c: v["topic"] for c, v in profile["cameras"].items()},
+            "rings": rings, "timeout": timeout}
+
 
 def run_scenario(script: Path, spec: dict, install: Path, timeout: float, cwd: Path) -> dict:
     """The report of ``script`` run with ``spec`` in a private netns. Raises AssertionError with
