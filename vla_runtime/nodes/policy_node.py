@@ -27,12 +27,13 @@ from diagnostic_msgs.msg import DiagnosticArray
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 from rclpy.node import Node
 from sensor_msgs.msg import JointState
-from std_msgs.msg import Empty, Float64MultiArray, String
+from std_msgs.msg import Empty, Float64MultiArray, Int64MultiArray, String
 from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
 
 from vla_runtime.msg import ActionChunk, PrefixRequest, SlotReady
 
 from ..engine.controller import ControllerConfig, StreamingController
+from ..engine.tick_timing import TickRecord
 from ..io.messages import InputError, JointStateAssembler
 from ..ipc.ring import RingBufferError
 from .adapters import gripper_positions, group_commands, single_commands, trajectory_parts
@@ -55,6 +56,8 @@ class Asked:
     clock_s: float
     monotonic_ns: int
 SHUTDOWN_WAIT_S = 5.0   # for the chunk being computed at shutdown
+TICK_WINDOW_S = 10.0    # the tick timing in the diagnostics covers this much of the recent past
+TICK_TOPIC = "vla_runtime/tick_starts"   # each second: the control ticks' start times (monotonic ns)
 
 
 class PolicyNode(Node):
@@ -94,6 +97,7 @@ class PolicyNode(Node):
         self.last_latency_s = float("nan")
         self.implausible_joint_states = 0
         self.last_implausible = ""
+        self.ticks = TickRecord(max(2, int(TICK_WINDOW_S * prof.control_hz)), 1.0 / prof.control_hz)
         for topic in prof.joint_states_topics:
             self.create_subscription(JointState, topic, self._on_joints, 10)
         # latched: an instruction published before this node started is still received
@@ -103,6 +107,7 @@ class PolicyNode(Node):
         self.request_pub = self.create_publisher(PrefixRequest, REQUEST_TOPIC, 10)
         self.chunk_pub = self.create_publisher(ActionChunk, "vla_runtime/action_chunk", 10)
         self.diag_pub = self.create_publisher(DiagnosticArray, DIAGNOSTICS_TOPIC, 10)
+        self.tick_pub = self.create_publisher(Int64MultiArray, TICK_TOPIC, 10)
         self.group_cmd = self.single_cmd = None
         self.traj_pubs, self.group_pubs, self.single_pubs = [], [], []
         self.gripper_traj_pub = self.gripper_array_pub = None
@@ -125,7 +130,7 @@ class PolicyNode(Node):
         self.create_subscription(SlotReady, READY_TOPIC, self._on_slot, 10,
                                  callback_group=MutuallyExclusiveCallbackGroup())
         self.create_timer(1.0 / prof.control_hz, self._on_tick, callback_group=MutuallyExclusiveCallbackGroup())
-        self.create_timer(1.0, self._publish_diagnostics)
+        self.create_timer(1.0, self._every_second)
         self.get_logger().info(f"policy node up: profile {prof.name}, {prof.control_hz} Hz, checkpoint {ckpt}, "
                                f"action cache {'on' if cc is not None else 'off'}")
 
@@ -187,6 +192,7 @@ class PolicyNode(Node):
 
     # ------------------------------------------------------------ control timer
     def _on_tick(self) -> None:
+        self.ticks.add(time.monotonic_ns())   # when this tick really starts (its timing, in the diagnostics)
         if self.task is None or not self.joints.complete():
             return
         now_ns = self._now_ns()
@@ -323,6 +329,11 @@ class PolicyNode(Node):
                 continue
             pub.publish(traj)
 
+    def _every_second(self) -> None:
+        """The tick start times since the last second (bench/control_tick.py), then the diagnostics."""
+        self.tick_pub.publish(Int64MultiArray(data=self.ticks.drain()))
+        self._publish_diagnostics()
+
     def _publish_diagnostics(self) -> None:
         """Health for rqt / diagnostic_aggregator: latency, holds, safety, watchdog, refusals, cache."""
         with self.lock:   # one consistent snapshot: calls counted with their latency
@@ -350,6 +361,9 @@ class PolicyNode(Node):
                   "instruction_changes": str(self.instruction_changes), "task": self.task or "",
                   "last_refusal": self.last_refusal,
                   "plan_stale": str(self.tick >= 0 and c.watchdog.is_stale(self.tick))}
+        t = self.ticks.statistics()   # the control timer's regularity over the last TICK_WINDOW_S
+        values.update({"tick_period_p99_ms": f"{t.p99_ms:.2f}", "tick_period_max_ms": f"{t.max_ms:.2f}",
+                       "ticks_missed": str(self.ticks.missed)})
         return values
 
     def destroy_node(self) -> None:
