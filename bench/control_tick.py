@@ -45,12 +45,14 @@ TASK = "pick up the cube with the right arm and hand it over to the left arm"
 NODES = ("cache_manager_node", "vision_node", "policy_node")
 
 
-def bench_profile(threads: int) -> dict:
+def bench_profile(threads: int, streaming: dict) -> dict:
     """config/aloha.yaml on the CPU (float32, ``threads`` torch threads a node), the bundled
     checkpoint, and each arm's 7 joints as a JointTrajectory (the Interbotix output needs
-    interbotix_xs_msgs; the tick does the same work either way, less the per-tick publish)."""
+    interbotix_xs_msgs; the tick does the same work either way, less the per-tick publish);
+    ``streaming`` overrides keys of the profile's streaming section."""
     prof = yaml.safe_load((ROOT / "config" / "aloha.yaml").read_text())
     prof.pop("controllers", None)
+    prof["streaming"].update(streaming)
     prof["engine"].update(device="cpu", dtype="float32", threads=threads, checkpoint=str(CHECKPOINT))
     prof["output"] = {"kind": "joint_trajectory", "topics": ["/left_arm_controller/joint_trajectory",
                                                              "/right_arm_controller/joint_trajectory"],
@@ -72,8 +74,6 @@ def robot_and_measure(spec: dict) -> dict:
     procs = [subprocess.Popen([sys.executable, "-m", f"vla_runtime.nodes.{n}", *args, *extra[n]],
                               stdout=open(logs / f"{n}.log", "w"), stderr=subprocess.STDOUT)
              for n in NODES]
-    if spec.get("renice_policy"):   # EXPERIMENT
-        os.setpriority(os.PRIO_PROCESS, procs[2].pid, spec["renice_policy"])
     try:
         return _play(spec, {n: p.pid for n, p in zip(NODES, procs)})
     finally:
@@ -189,7 +189,8 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=ROOT / "out" / "control_tick", help="profile and node logs")
     ap.add_argument("--install", type=Path, default=ROOT / "install")
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--renice-policy", type=int, default=0)
+    ap.add_argument("--tick-rt-priority", type=int, default=None, help="override streaming.tick_rt_priority")
+    ap.add_argument("--policy-nice", default=None, help="override streaming.policy_nice (an int, or 'null')")
     ap.add_argument("--inside", help=argparse.SUPPRESS)   # the run inside the namespace: its spec
     args = ap.parse_args()
     if args.inside:
@@ -198,12 +199,19 @@ def main() -> int:
 
     from vla_runtime.testing.netns import ros_env, run_in_private_netns
 
+    args.work = args.work.resolve()
     args.work.mkdir(parents=True, exist_ok=True)
     profile = args.work / "profile.yaml"
-    profile.write_text(yaml.safe_dump(bench_profile(args.threads)))
+    overrides: dict = {}
+    if args.tick_rt_priority is not None:
+        overrides["tick_rt_priority"] = args.tick_rt_priority
+    if args.policy_nice is not None:
+        overrides["policy_nice"] = None if args.policy_nice == "null" else int(args.policy_nice)
+    prof = bench_profile(args.threads, overrides)
+    profile.write_text(yaml.safe_dump(prof))
     spec = {"profile": str(profile), "logs": str(args.work / "logs"), "tag": f"ct{os.getpid()}",
             "seconds": args.seconds, "camera_hz": args.camera_hz, "image_size": args.image_size,
-            "settle": args.settle, "renice_policy": args.renice_policy, "warmup_calls": args.warmup_calls, "start_timeout": args.start_timeout}
+            "settle": args.settle, "warmup_calls": args.warmup_calls, "start_timeout": args.start_timeout}
     load = os.getloadavg()
     out = run_in_private_netns([sys.executable, str(Path(__file__).resolve()), "--inside", json.dumps(spec)],
                                env=ros_env(args.install), timeout=2 * args.seconds + 2 * args.start_timeout + 120,
@@ -213,7 +221,7 @@ def main() -> int:
         return 1
     windows = json.loads(out.stdout.strip().splitlines()[-1])
     report = {"profile": str(profile), "checkpoint": str(CHECKPOINT), "threads": args.threads,
-              "control_hz": bench_profile(args.threads)["control_hz"], "cpus": os.cpu_count(),
+              "control_hz": prof["control_hz"], "streaming": prof["streaming"], "cpus": os.cpu_count(),
               "load_average_at_start": load, "measured": "tick callback start, monotonic clock, in the policy node",
               "missed_rule": "gap between consecutive tick starts > 1.5 periods; round(gap/period) - 1 ticks (>= 1)",
               **windows}

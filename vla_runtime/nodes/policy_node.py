@@ -40,8 +40,10 @@ from .adapters import gripper_positions, group_commands, single_commands, trajec
 from .conversions import StampCheck, chunk_to_trajectory, implausible_joints, instruction_from_msg, points_passed, stamp_ns
 from .diagnostics import DIAGNOSTICS_TOPIC, diagnostic_array
 from .params import POLICY, declare_parameters, profile_and_checkpoint, ring_names
+from .priority import control_priority
 from .prefix_ring import EPISODE_TOPIC, READY_TOPIC, REQUEST_TOPIC, subscribe_instruction
 from .spin import CallbackGate, gated, run
+from .tick_loop import TickLoop
 from .stages import PolicyStage, SlotNote, cache_config, load_policy, open_repository_meta
 
 PARAMETERS = POLICY
@@ -67,6 +69,7 @@ class PolicyNode(Node):
         self.params = v
         self.profile, ckpt = profile_and_checkpoint(v)
         prof = self.profile
+        self.nice = control_priority(prof.streaming.policy_nice)   # before any thread starts: they inherit it
         policy = load_policy(ckpt, self.profile.engine, [c.name for c in self.profile.cameras], prof.state_dim,
                              role="policy",
                              control_hz=self.profile.control_hz)
@@ -129,10 +132,16 @@ class PolicyNode(Node):
                 self.gripper_array_pub = self.create_publisher(Float64MultiArray, prof.output.gripper_topic, 10)
         self.create_subscription(SlotReady, READY_TOPIC, self._on_slot, 10,
                                  callback_group=MutuallyExclusiveCallbackGroup())
-        self.create_timer(1.0 / prof.control_hz, self._on_tick, callback_group=MutuallyExclusiveCallbackGroup())
+        self.tick_loop: TickLoop | None = None
+        if self.get_parameter("use_sim_time").value:   # simulated time: the node clock's timer
+            self.create_timer(1.0 / prof.control_hz, self._on_tick, callback_group=MutuallyExclusiveCallbackGroup())
+        else:   # its own real-time thread, off the executor (tick_loop.py: why)
+            self.tick_loop = TickLoop(1.0 / prof.control_hz, self._on_tick, s.tick_rt_priority)
         self.create_timer(1.0, self._every_second)
         self.get_logger().info(f"policy node up: profile {prof.name}, {prof.control_hz} Hz, checkpoint {ckpt}, "
                                f"action cache {'on' if cc is not None else 'off'}")
+        if self.tick_loop is not None:
+            self.tick_loop.start()
 
     @property
     def request_timeout_s(self) -> float:
@@ -338,6 +347,7 @@ class PolicyNode(Node):
         """Health for rqt / diagnostic_aggregator: latency, holds, safety, watchdog, refusals, cache."""
         with self.lock:   # one consistent snapshot: calls counted with their latency
             values = self._diagnostic_values()
+        values.update(self._tick_values())   # outside the lock: the tick takes it
         c = self.controller
         warn = ("plan stale: holding" if self.tick >= 0 and c.watchdog.is_stale(self.tick) else
                 "plan went stale at least once" if c.watchdog.stale_events else "")
@@ -361,12 +371,26 @@ class PolicyNode(Node):
                   "instruction_changes": str(self.instruction_changes), "task": self.task or "",
                   "last_refusal": self.last_refusal,
                   "plan_stale": str(self.tick >= 0 and c.watchdog.is_stale(self.tick))}
-        t = self.ticks.statistics()   # the control timer's regularity over the last TICK_WINDOW_S
-        values.update({"tick_period_p99_ms": f"{t.p99_ms:.2f}", "tick_period_max_ms": f"{t.max_ms:.2f}",
-                       "ticks_missed": str(self.ticks.missed)})
         return values
 
+    def _tick_values(self) -> dict[str, str]:
+        """The control tick's regularity over the last TICK_WINDOW_S, and how it is scheduled."""
+        t = self.ticks.statistics()
+        return {"tick_period_p99_ms": f"{t.p99_ms:.2f}", "tick_period_max_ms": f"{t.max_ms:.2f}",
+                "ticks_missed": str(self.ticks.missed), "tick_scheduling": self._tick_scheduling(),
+                "nice": str(self.nice)}
+
+    def _tick_scheduling(self) -> str:
+        loop = self.tick_loop
+        if loop is None:
+            return "ROS timer (use_sim_time)"
+        if loop.priority_problem or loop.rt_priority == 0:
+            return f"own thread, ordinary priority {loop.priority_problem}".strip()
+        return f"own thread, SCHED_FIFO {loop.rt_priority}"
+
     def destroy_node(self) -> None:
+        if self.tick_loop is not None and not self.tick_loop.stop():
+            self.get_logger().error("the control tick did not end within 2 s")
         if self.gate.close(SHUTDOWN_WAIT_S):
             self.stage.close()
         else:   # unmapping under a running call would fault; the vision node replaces its segments
