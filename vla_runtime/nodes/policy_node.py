@@ -1,7 +1,8 @@
 """The policy node: joint states + prefix slots -> action chunks on the robot's controller topic.
 
-Thin rclpy wiring around ``PolicyWorker`` and ``StreamingController``. A control timer ticks at
-the profile's rate: it advances the plan, and when the scheduler says so asks the vision node
+Thin rclpy wiring around ``PolicyWorker`` and ``StreamingController``. A control tick runs at
+the profile's rate (its own real-time thread, ``tick_loop.py``; a ROS timer with use_sim_time)
+and records when it starts (``engine/tick_timing.py``): it advances the plan, and when the scheduler says so asks the vision node
 for the next prefix, conditioned on the predicted state. When the vision node announces a slot,
 the chunk is denoised (in its own callback group, so control ticks go on meanwhile), merged into
 the plan, and the upcoming plan is published as a ``JointTrajectory`` stamped with the time its
