@@ -1,7 +1,8 @@
 """The policy node: joint states + prefix slots -> action chunks on the robot's controller topic.
 
-Thin rclpy wiring around ``PolicyWorker`` and ``StreamingController``. A control timer ticks at
-the profile's rate: it advances the plan, and when the scheduler says so asks the vision node
+Thin rclpy wiring around ``PolicyWorker`` and ``StreamingController``. A control tick runs at
+the profile's rate (its own real-time thread, ``tick_loop.py``; a ROS timer with use_sim_time)
+and records when it starts (``engine/tick_timing.py``): it advances the plan, and when the scheduler says so asks the vision node
 for the next prefix, conditioned on the predicted state. When the vision node announces a slot,
 the chunk is denoised (in its own callback group, so control ticks go on meanwhile), merged into
 the plan, and the upcoming plan is published as a ``JointTrajectory`` stamped with the time its
@@ -30,12 +31,13 @@ from builtin_interfaces.msg import Duration, Time
 from diagnostic_msgs.msg import DiagnosticArray
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 from sensor_msgs.msg import JointState
-from std_msgs.msg import Empty, Float64MultiArray, String
+from std_msgs.msg import Empty, Float64MultiArray, Int64MultiArray, String
 from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
 
 from vla_runtime.msg import ActionChunk, PrefixRequest, SlotReady
 
 from ..engine.controller import ControllerConfig, StreamingController
+from ..engine.tick_timing import TickRecord
 from ..io.messages import InputError, JointStateAssembler
 from ..ipc.ring import RingBufferError
 from .adapters import gripper_positions, group_commands, single_commands, trajectory_parts
@@ -44,8 +46,10 @@ from .diagnostics import DIAGNOSTICS_TOPIC, POLICY_STATUS, diagnostic_array
 from .lifecycle import hold_target
 from .managed import SHUTDOWN_WAIT_S, ManagedNode
 from .params import POLICY, profile_and_checkpoint, ring_names
+from .priority import control_priority
 from .prefix_ring import EPISODE_TOPIC, READY_TOPIC, REQUEST_TOPIC, subscribe_instruction
 from .spin import CallbackGate, gated, run
+from .tick_loop import TickLoop
 from .stages import PolicyStage, SlotNote, cache_config, load_policy, open_repository_meta
 
 PARAMETERS = POLICY
@@ -61,6 +65,10 @@ class Asked:
     monotonic_ns: int
 
 
+TICK_WINDOW_S = 10.0    # the tick timing in the diagnostics covers this much of the recent past
+TICK_TOPIC = "vla_runtime/tick_starts"   # each second: the control ticks' start times (monotonic ns)
+
+
 class PolicyNode(ManagedNode):
     """Managed: configure loads and warms up the model and makes the subscriptions and outputs;
     activate starts the control timer (commands and requests go out only while active);
@@ -73,7 +81,8 @@ class PolicyNode(ManagedNode):
         # destroy_node / deactivate wait for the chunk in flight before closing the rings; open only while active
         self.gate = CallbackGate(closed=True)
         self.stage: PolicyStage | None = None
-        self.tick_timer = None
+        self.tick_timer = None              # with use_sim_time: the node clock's timer
+        self.tick_loop: TickLoop | None = None   # otherwise: the tick's own real-time thread (tick_loop.py: why)
         self.diag_pub = self.create_publisher(DiagnosticArray, DIAGNOSTICS_TOPIC, 10)
 
     # ------------------------------------------------------------ lifecycle
@@ -81,6 +90,7 @@ class PolicyNode(ManagedNode):
         v = self.params
         self.profile, ckpt = profile_and_checkpoint(v)
         prof = self.profile
+        self.nice = control_priority(prof.streaming.policy_nice)
         policy = load_policy(ckpt, self.profile.engine, [c.name for c in self.profile.cameras], prof.state_dim,
                              role="policy",
                              control_hz=self.profile.control_hz)
@@ -102,6 +112,7 @@ class PolicyNode(ManagedNode):
         self.last_latency_s = float("nan")
         self.implausible_joint_states = 0
         self.last_implausible = ""
+        self.ticks = TickRecord(max(2, int(TICK_WINDOW_S * prof.control_hz)), 1.0 / prof.control_hz)
         own, lifecycle_pub = self.own, self.create_lifecycle_publisher
         for topic in prof.joint_states_topics:
             own(self.create_subscription(JointState, topic, self._on_joints, 10))
@@ -134,7 +145,8 @@ class PolicyNode(ManagedNode):
                 self.gripper_array_pub = own(lifecycle_pub(Float64MultiArray, prof.output.gripper_topic, 10))
         own(self.create_subscription(SlotReady, READY_TOPIC, self._on_slot, 10,
                                      callback_group=MutuallyExclusiveCallbackGroup()))
-        own(self.create_timer(1.0, self._publish_diagnostics))
+        self.tick_pub = own(self.create_publisher(Int64MultiArray, TICK_TOPIC, 10))
+        own(self.create_timer(1.0, self._every_second))
         self.get_logger().info(f"policy node configured: profile {prof.name}, {prof.control_hz} Hz, checkpoint "
                                f"{ckpt}, action cache {'on' if cc is not None else 'off'}")
 
@@ -155,8 +167,13 @@ class PolicyNode(ManagedNode):
         with self.lock:
             self._new_plan()
         self.gate.open()
-        self.tick_timer = self.own(self.create_timer(1.0 / self.profile.control_hz, self._on_tick,
-                                                     callback_group=MutuallyExclusiveCallbackGroup()))
+        period_s = 1.0 / self.profile.control_hz
+        if self.get_parameter("use_sim_time").value:   # simulated time: the node clock's timer
+            self.tick_timer = self.own(self.create_timer(period_s, self._on_tick,
+                                                         callback_group=MutuallyExclusiveCallbackGroup()))
+        else:
+            self.tick_loop = TickLoop(period_s, self._on_tick, self.profile.streaming.tick_rt_priority)
+            self.tick_loop.start()
 
     def _disable(self) -> None:
         """Stop commanding: no more ticks, wait for a chunk being computed (its result is not
@@ -164,6 +181,10 @@ class PolicyNode(ManagedNode):
         if self.tick_timer is not None:
             self.drop(self.tick_timer)
             self.tick_timer = None
+        if self.tick_loop is not None:
+            if not self.tick_loop.stop():
+                self.get_logger().error("the control tick did not end within 2 s")
+            self.tick_loop = None
         if not self.gate.close(SHUTDOWN_WAIT_S):
             self.get_logger().error(f"a chunk was still being computed {SHUTDOWN_WAIT_S} s after deactivation "
                                     "began: its result is dropped")
@@ -232,6 +253,7 @@ class PolicyNode(ManagedNode):
 
     # ------------------------------------------------------------ control timer
     def _on_tick(self) -> None:
+        self.ticks.add(time.monotonic_ns())   # when this tick really starts (its timing, in the diagnostics)
         if self.task is None or not self.joints.complete():
             return
         now_ns = self._now_ns()
@@ -373,10 +395,16 @@ class PolicyNode(ManagedNode):
                 continue
             pub.publish(traj)
 
+    def _every_second(self) -> None:
+        """The tick start times since the last second (bench/control_tick.py), then the diagnostics."""
+        self.tick_pub.publish(Int64MultiArray(data=self.ticks.drain()))
+        self._publish_diagnostics()
+
     def _publish_diagnostics(self) -> None:
         """Health for rqt / diagnostic_aggregator: latency, holds, safety, watchdog, refusals, cache."""
         with self.lock:   # one consistent snapshot: calls counted with their latency
             values = self._diagnostic_values()
+        values.update(self._tick_values())   # outside the lock: the tick takes it
         c = self.controller
         warn = ("plan stale: holding" if self.tick >= 0 and c.watchdog.is_stale(self.tick) else
                 "plan went stale at least once" if c.watchdog.stale_events else "")
@@ -402,6 +430,21 @@ class PolicyNode(ManagedNode):
                   "plan_stale": str(self.tick >= 0 and c.watchdog.is_stale(self.tick)),
                   "lifecycle": self.state_label}
         return values
+
+    def _tick_values(self) -> dict[str, str]:
+        """The control tick's regularity over the last TICK_WINDOW_S, and how it is scheduled."""
+        t = self.ticks.statistics()
+        return {"tick_period_p99_ms": f"{t.p99_ms:.2f}", "tick_period_max_ms": f"{t.max_ms:.2f}",
+                "ticks_missed": str(self.ticks.missed), "tick_scheduling": self._tick_scheduling(),
+                "nice": str(self.nice)}
+
+    def _tick_scheduling(self) -> str:
+        loop = self.tick_loop
+        if loop is None:
+            return "ROS timer (use_sim_time)" if self.tick_timer is not None else "not ticking (inactive)"
+        if loop.priority_problem or loop.rt_priority == 0:
+            return f"own thread, ordinary priority {loop.priority_problem}".strip()
+        return f"own thread, SCHED_FIFO {loop.rt_priority}"
 
 
 def main(args: list[str] | None = None) -> None:

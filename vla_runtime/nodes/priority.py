@@ -1,10 +1,21 @@
-"""Background work yields to calls: the cache manager's process runs at a lower CPU priority.
+"""CPU priorities of the node processes: background work yields to calls, the control tick to nothing.
+
+The cache manager's process runs at a lower CPU priority (``background_priority``), the policy
+node's at a higher one (``control_priority``).
 
 Why: on a machine with few cores the window rebuild (a dense prefill per entering entry) competes
 with the vision and policy processes for the same cores; at a higher nice value the scheduler
 gives a runnable call almost all of a core the rebuild would take, while the rebuild still uses
 every idle cycle (the time the robot executes a chunk). On a GPU the rebuild's kernels are issued
 the same way, so the CPU side of a call is not held up either.
+
+Why the policy node's whole process, and not only its tick thread: the tick is Python, and it
+starts only once it holds the interpreter lock. Whichever thread of the process holds it then
+(the executor taking a joint state, the denoising call) must get a core to hand it over; at an
+ordinary priority on a loaded machine that thread waits its turn behind every other process,
+and the tick with it (measured with ``bench/control_tick.py``: ticks 100-600 ms late with the
+tick thread alone at real-time priority, load 10 on 2 cores). Threads inherit the nice value of
+the thread that starts them, so the node sets it before it starts any.
 """
 
 from __future__ import annotations
@@ -27,3 +38,32 @@ def background_priority(nice: int) -> int:
     except OSError as e:
         log.warning("could not lower the cache manager's CPU priority (nice +%d): %s", nice, e)
         return os.getpriority(os.PRIO_PROCESS, 0)
+
+
+def process_threads() -> list[int]:
+    """The thread ids of this process (Linux: /proc/self/task); elsewhere only this thread (0)."""
+    try:
+        return [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return [0]
+
+
+def control_priority(nice: int | None) -> int:
+    """Set the nice value of every thread of this process to ``nice`` (-20..19; None: leave it):
+    those already running (DDS receive threads, rclpy's, torch's, started before the profile was
+    read) and, by inheritance, those started afterwards; returns the calling thread's value now.
+    A value below the current one needs CAP_SYS_NICE (or RLIMIT_NICE): refused, it is logged,
+    never fatal."""
+    if nice is not None and (not isinstance(nice, int) or isinstance(nice, bool) or not -20 <= nice <= 19):
+        raise ValueError(f"nice must be null or an int in [-20, 19], got {nice!r}")
+    if nice is not None:
+        try:
+            for tid in process_threads():
+                try:
+                    os.setpriority(os.PRIO_PROCESS, tid, nice)
+                except ProcessLookupError:   # the thread ended meanwhile
+                    pass
+        except OSError as e:
+            log.warning("could not set the policy node's CPU priority to nice %d (%s): control ticks may start late "
+                        "on a loaded machine; grant CAP_SYS_NICE or raise the nice limit (ulimit -e)", nice, e)
+    return os.getpriority(os.PRIO_PROCESS, 0)

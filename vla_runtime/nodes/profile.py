@@ -93,6 +93,12 @@ class StreamingSpec:
     watchdog_s: float = 1.0
     on_stale: str = "hold"
     stream_horizon: int = 1
+    # the policy node's control tick thread: SCHED_FIFO priority 1-99 (0: ordinary scheduling);
+    # refused without CAP_SYS_NICE / an rtprio limit (a warning, then ordinary). nodes/tick_loop.py
+    tick_rt_priority: int = 10
+    # the policy node's process nice value (-20..19; null: as started): its threads hand the
+    # interpreter lock to the tick without waiting behind other processes. nodes/priority.py
+    policy_nice: int | None = -10
 
 
 @dataclass(frozen=True)
@@ -234,6 +240,13 @@ class RobotProfile:
             raise bad("streaming.on_stale", f"must be 'hold' or 'finish_chunk', got {s.on_stale!r}")
         if not (s.max_obs_age_s > 0 and s.watchdog_s > 0 and s.stream_horizon >= 1):
             raise bad("streaming", "max_obs_age_s and watchdog_s must be > 0, stream_horizon >= 1")
+        if isinstance(s.tick_rt_priority, bool) or not isinstance(s.tick_rt_priority, int) \
+                or not 0 <= s.tick_rt_priority <= 99:
+            raise bad("streaming.tick_rt_priority", f"must be an int in [0, 99] (0: ordinary scheduling), "
+                                                    f"got {s.tick_rt_priority!r}")
+        if s.policy_nice is not None and (isinstance(s.policy_nice, bool) or not isinstance(s.policy_nice, int)
+                                          or not -20 <= s.policy_nice <= 19):
+            raise bad("streaming.policy_nice", f"must be null or an int in [-20, 19], got {s.policy_nice!r}")
         c = self.cache
         if c.enabled and not c.repository:
             raise bad("cache.repository", "required when the cache is enabled")
