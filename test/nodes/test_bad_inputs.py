@@ -519,9 +519,10 @@ def test_parameter_out_of_range_at_run_time_is_refused_and_in_range_accepted():
     assert P.check_change(P.POLICY, "request_timeout_s", 3.0) == ""
     assert P.check_change(P.VISION, "frozen_after", 0) == "" and P.check_change(P.VISION, "frozen_after", 1)
     assert P.check_change(P.POLICY, "use_sim_time", True) == ""    # not ours: rclpy's own rules apply
+    assert P.check_change(P.VISION, "peer_timeout_s", 0.0) and P.check_change(P.CACHE_MANAGER, "peer_timeout_s", 5.0) == ""
     dynamic = {n for t in (P.VISION, P.POLICY, P.CACHE_MANAGER) for n, p in t.items() if p.dynamic}
     assert dynamic == {"request_timeout_s", "max_input_age_s", "max_future_s", "max_image_age_s", "frozen_after",
-                       "time_available_s"}
+                       "time_available_s", "peer_timeout_s"}
 
 
 # ------------------------------------------------------------------ validation happens once, at the boundary

@@ -443,7 +443,7 @@ class PolicyNode(ManagedNode):
         if loop is None:
             return "ROS timer (use_sim_time)" if self.tick_timer is not None else "not ticking (inactive)"
         if loop.priority_problem or loop.rt_priority == 0:
-            return f"own thread, ordinary priority {loop.priority_problem}".strip()
+            return "own thread, ordinary priority" + (f" ({loop.priority_problem})" if loop.priority_problem else "")
         return f"own thread, SCHED_FIFO {loop.rt_priority}"
 
 
