@@ -40,29 +40,15 @@ def background_priority(nice: int) -> int:
         return os.getpriority(os.PRIO_PROCESS, 0)
 
 
-def process_threads() -> list[int]:
-    """The thread ids of this process (Linux: /proc/self/task); elsewhere only this thread (0)."""
-    try:
-        return [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:
-        return [0]
-
-
 def control_priority(nice: int | None) -> int:
-    """Set the nice value of every thread of this process to ``nice`` (-20..19; None: leave it):
-    those already running (DDS receive threads, rclpy's, torch's, started before the profile was
-    read) and, by inheritance, those started afterwards; returns the calling thread's value now.
-    A value below the current one needs CAP_SYS_NICE (or RLIMIT_NICE): refused, it is logged,
-    never fatal."""
+    """Set this process's nice value to ``nice`` (-20..19; None: leave it), for this thread and
+    the threads it starts afterwards; returns the value now in force. A value below the current
+    one needs CAP_SYS_NICE (or RLIMIT_NICE): refused, it is logged, never fatal."""
     if nice is not None and (not isinstance(nice, int) or isinstance(nice, bool) or not -20 <= nice <= 19):
         raise ValueError(f"nice must be null or an int in [-20, 19], got {nice!r}")
-    if nice is not None:
+    if nice is not None and nice != os.getpriority(os.PRIO_PROCESS, 0):
         try:
-            for tid in process_threads():
-                try:
-                    os.setpriority(os.PRIO_PROCESS, tid, nice)
-                except ProcessLookupError:   # the thread ended meanwhile
-                    pass
+            os.setpriority(os.PRIO_PROCESS, 0, nice)
         except OSError as e:
             log.warning("could not set the policy node's CPU priority to nice %d (%s): control ticks may start late "
                         "on a loaded machine; grant CAP_SYS_NICE or raise the nice limit (ulimit -e)", nice, e)
