@@ -12,6 +12,7 @@ import time
 import uuid
 from multiprocessing.shared_memory import SharedMemory
 
+import numpy as np
 import pytest
 import torch
 
@@ -381,3 +382,94 @@ def test_multi_process_stress_accepts_no_torn_read():
     assert all(r["accepted"] == 10_000 for r in res["per_reader"])
     assert res["writer_commits"] >= 10_000
     assert not _segment_exists(name)
+
+
+# ---------------------------------------------------------------- boundaries found by the mutation run
+
+
+def test_an_aborted_write_invalidates_pins_and_cannot_be_committed_after(name):
+    """An abort ends a write the seqlock way (the lock word moves on to the next even value, never
+    back to the one a pin recorded): a pin taken before the write fails, the slot reads as empty,
+    and the aborted writer cannot commit."""
+    with RingBuffer.create(name, LAYOUT, slots=2) as writer, RingBuffer.attach(name, LAYOUT) as reader:
+        slot, seq = _write(writer, 4)
+        pin = reader.pin(slot, seq)
+        assert pin is not None and pin.valid()
+        w = writer.begin_write(slot)
+        stamp_payload(w.tensors, 9)                                   # the payload is partly rewritten ...
+        w.abort()                                                     # ... and abandoned
+        assert not pin.valid() and reader.pin(slot) is None and reader.slot_seq(slot) == -1
+        with pytest.raises(RingBufferError, match="not open"):
+            w.commit()
+        assert writer.begin_write().commit() == (1, 1)               # the next write goes on normally
+
+
+def test_slot_seqs_is_slot_seq_of_every_slot_including_a_write_just_begun(name):
+    """Four slots: three committed round robin, one never written, one being rewritten. A writer
+    that has made the lock word odd but not yet cleared the header sequence (the instant between
+    the two stores of ``begin_write``) already reads as "being written"."""
+    with RingBuffer.create(name, LAYOUT, slots=4) as writer, RingBuffer.attach(name, LAYOUT) as reader:
+        for v in range(3):
+            _write(writer, v)
+        assert reader.slot_seqs().tolist() == [0, 1, 2, -1] and reader.slot_seqs().dtype == np.int64
+        w = writer.begin_write(1)
+        assert reader.slot_seqs().tolist() == [0, -1, 2, -1] == [reader.slot_seq(s) for s in range(4)]
+        w.commit()
+        assert reader.slot_seqs().tolist() == [0, 3, 2, -1]
+        lock = writer._hword(2, C.H_SEQLOCK)
+        writer._w[lock] += 1                                          # odd, sequence 2 still in the header
+        assert reader.slot_seqs().tolist() == [0, 3, -1, -1] and reader.slot_seq(2) == -1
+        writer._w[lock] += 1
+
+
+def test_clear_slot_clears_the_slot_it_is_given(name):
+    with RingBuffer.create(name, LAYOUT, slots=3) as writer, RingBuffer.attach(name, LAYOUT) as reader:
+        for v in range(3):
+            _write(writer, v)
+        writer.clear_slot(1)
+        assert reader.slot_seqs().tolist() == [0, -1, 2]
+
+
+def test_pin_checks_its_slot_and_reads_the_header_of_that_slot(name):
+    """Pins of a later slot with metadata and of a payload committed without metadata (an empty
+    metadata blob checks as empty); a slot number out of range is refused, naming it."""
+    with RingBuffer.create(name, LAYOUT, slots=2) as writer, RingBuffer.attach(name, LAYOUT) as reader:
+        _write(writer, 1)                                             # slot 0: no metadata
+        _write(writer, 2, meta={"ref": "ep1"})                        # slot 1
+        p0, p1 = reader.pin(0, 0), reader.pin(1, 1)
+        assert p0 is not None and p0.meta is None and p0.valid()
+        assert p1 is not None and p1.meta == {"ref": "ep1"} and payload_matches(dict(p1.views), 2)
+        for bad in (2, -1):
+            with pytest.raises(ValueError, match=rf"slot must be in \[0, 2\), got {bad}"):
+                reader.pin(bad)
+
+
+def test_peek_layout_names_what_is_wrong_with_the_segment(name):
+    with pytest.raises(RingNotFoundError, match=f"ring {name!r} does not exist"):
+        RingBuffer.peek_layout(name)
+    foreign = SharedMemory(name=name, create=True, size=4096)
+    try:
+        with pytest.raises(RingBufferError, match=f"ring {name!r} is not an initialised vla_runtime ring"):
+            RingBuffer.peek_layout(name)
+    finally:
+        foreign.close()
+        foreign.unlink()
+    with RingBuffer.create(name, LAYOUT, slots=2) as writer:
+        writer._map[C.LAYOUT_OFFSET:C.LAYOUT_OFFSET + 2] = b"{{"      # the layout JSON broken
+        with pytest.raises(RingBufferError, match=f"ring {name!r}: the writer's layout description is unreadable"):
+            RingBuffer.peek_layout(name)
+
+
+def test_repr_says_which_end_and_whether_closed_and_pickling_says_what_to_do(name):
+    import pickle
+
+    writer = RingBuffer.create(name, LAYOUT, slots=2)
+    reader = RingBuffer.attach(name, LAYOUT)
+    assert repr(writer) == f"RingBuffer({name!r}, slots=2, tag={LAYOUT.tag}, writer)"
+    assert repr(reader) == f"RingBuffer({name!r}, slots=2, tag={LAYOUT.tag}, reader)"
+    assert writer.replaced() is False and reader.replaced() is False      # the owner is never replaced
+    with pytest.raises(TypeError, match=r"a RingBuffer cannot be pickled: call RingBuffer.attach\(name, layout\)"):
+        pickle.dumps(writer)
+    reader.close()
+    writer.close()
+    assert repr(writer).endswith(", closed)") and repr(reader).endswith(", closed)")
