@@ -473,3 +473,66 @@ def test_repr_says_which_end_and_whether_closed_and_pickling_says_what_to_do(nam
     reader.close()
     writer.close()
     assert repr(writer).endswith(", closed)") and repr(reader).endswith(", closed)")
+
+
+def test_pid_alive_tells_live_dead_and_zombie_processes_even_with_a_parenthesis_in_the_name():
+    """A crashed writer can linger as a zombie until its parent reaps it: it must count as dead.
+    ``/proc/<pid>/stat`` puts the command name in parentheses before the state, and the name may
+    itself hold ") ": the state is the first field after the *last* ')'."""
+    from vla_runtime.ipc.ring import _pid_alive
+
+    assert _pid_alive(os.getpid()) and _pid_alive(1)
+    assert not _pid_alive(0) and not _pid_alive(-1)
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    zombie = subprocess.Popen([sys.executable, "-c", "open('/proc/self/comm', 'w').write('a) b')"])
+    try:
+        for _ in range(200):                               # wait (no time assert) until it has exited
+            with open(f"/proc/{zombie.pid}/stat", "rb") as f:
+                if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+                    break
+            time.sleep(0.05)
+        with open(f"/proc/{zombie.pid}/comm", "rb") as f:
+            assert f.read().strip() == b"a) b"
+        assert _pid_alive(live.pid) and not _pid_alive(zombie.pid)
+    finally:
+        live.kill()
+        live.wait()
+        zombie.wait()
+    assert not _pid_alive(zombie.pid)                      # reaped: gone
+
+
+def test_metadata_of_exactly_the_header_size_fits_and_one_byte_more_is_named(name):
+    """Dicts are stored as compact JSON: {"x": "y" * 248} is 256 bytes that way (and more with the
+    default separators), exactly what the header holds."""
+    with RingBuffer.create(name, LAYOUT, slots=1) as writer, RingBuffer.attach(name, LAYOUT) as reader:
+        meta = {"x": "y" * 248}
+        assert writer.begin_write().commit(meta) == (0, 0)
+        out = _out()
+        assert reader.read(0, 0, out).meta == meta                   # a one-slot ring reads too
+        w = writer.begin_write()
+        with pytest.raises(ValueError, match="slot metadata is 257 bytes encoded, the slot header holds 256"):
+            w.commit({"x": "y" * 249})
+        with pytest.raises(TypeError, match="slot metadata must be a dict, bytes or None, got list"):
+            w.commit([1])
+        w.abort()
+        with pytest.raises(ValueError, match="out must map at least one field name to a preallocated tensor"):
+            reader.read_latest({})
+
+
+def test_checksum_failures_and_torn_giveups_are_counted_per_event(name):
+    """A header whose checksum does not match is refused and counted each time; a slot held odd
+    (a writer mid-write) through every retry is a torn give-up, counted each time."""
+    with RingBuffer.create(name, LAYOUT, slots=2) as writer, RingBuffer.attach(name, LAYOUT) as reader:
+        slot, seq = _write(writer, 1)
+        crc = writer._hword(slot, C.H_CHECKSUM)
+        writer._w[crc] ^= 1
+        out = _out()
+        assert reader.read(slot, seq, out) is None and reader.read(slot, seq, out) is None
+        assert reader.stats.checksum_failures == 2
+        writer._w[crc] ^= 1
+        assert reader.read(slot, seq, out) is not None and reader.stats.checksum_failures == 2
+        lock = writer._hword(slot, C.H_SEQLOCK)
+        writer._w[lock] += 1
+        assert reader.read_latest(out) is None and reader.read_latest(out) is None
+        assert reader.stats.torn_giveups == 2
+        writer._w[lock] += 1
