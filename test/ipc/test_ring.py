@@ -536,3 +536,15 @@ def test_checksum_failures_and_torn_giveups_are_counted_per_event(name):
         assert reader.read_latest(out) is None and reader.read_latest(out) is None
         assert reader.stats.torn_giveups == 2
         writer._w[lock] += 1
+
+
+def test_the_smallest_ring_and_one_read_attempt_are_accepted_and_less_is_named(name):
+    with RingBuffer.create(name, LAYOUT, slots=1, read_retries=1) as writer:
+        _write(writer, 2)
+        with RingBuffer.attach(name, LAYOUT, read_retries=1) as reader:
+            out = _out()
+            assert reader.read_latest(out).seq == 0 and payload_matches(out, 2)
+    with pytest.raises(ValueError, match="slots must be an int >= 1, got 0"):
+        RingBuffer.create(name, LAYOUT, slots=0)
+    with pytest.raises(ValueError, match="read_retries must be >= 1, got 0"):
+        RingBuffer.create(name, LAYOUT, slots=1, read_retries=0)
