@@ -12,6 +12,7 @@ import time
 import uuid
 from multiprocessing.shared_memory import SharedMemory
 
+import numpy as np
 import pytest
 import torch
 
@@ -381,3 +382,169 @@ def test_multi_process_stress_accepts_no_torn_read():
     assert all(r["accepted"] == 10_000 for r in res["per_reader"])
     assert res["writer_commits"] >= 10_000
     assert not _segment_exists(name)
+
+
+# ---------------------------------------------------------------- boundaries found by the mutation run
+
+
+def test_an_aborted_write_invalidates_pins_and_cannot_be_committed_after(name):
+    """An abort ends a write the seqlock way (the lock word moves on to the next even value, never
+    back to the one a pin recorded): a pin taken before the write fails, the slot reads as empty,
+    and the aborted writer cannot commit."""
+    with RingBuffer.create(name, LAYOUT, slots=2) as writer, RingBuffer.attach(name, LAYOUT) as reader:
+        slot, seq = _write(writer, 4)
+        pin = reader.pin(slot, seq)
+        assert pin is not None and pin.valid()
+        w = writer.begin_write(slot)
+        stamp_payload(w.tensors, 9)                                   # the payload is partly rewritten ...
+        w.abort()                                                     # ... and abandoned
+        assert not pin.valid() and reader.pin(slot) is None and reader.slot_seq(slot) == -1
+        with pytest.raises(RingBufferError, match="not open"):
+            w.commit()
+        assert writer.begin_write().commit() == (1, 1)               # the next write goes on normally
+
+
+def test_slot_seqs_is_slot_seq_of_every_slot_including_a_write_just_begun(name):
+    """Four slots: three committed round robin, one never written, one being rewritten. A writer
+    that has made the lock word odd but not yet cleared the header sequence (the instant between
+    the two stores of ``begin_write``) already reads as "being written"."""
+    with RingBuffer.create(name, LAYOUT, slots=4) as writer, RingBuffer.attach(name, LAYOUT) as reader:
+        for v in range(3):
+            _write(writer, v)
+        assert reader.slot_seqs().tolist() == [0, 1, 2, -1] and reader.slot_seqs().dtype == np.int64
+        w = writer.begin_write(1)
+        assert reader.slot_seqs().tolist() == [0, -1, 2, -1] == [reader.slot_seq(s) for s in range(4)]
+        w.commit()
+        assert reader.slot_seqs().tolist() == [0, 3, 2, -1]
+        lock = writer._hword(2, C.H_SEQLOCK)
+        writer._w[lock] += 1                                          # odd, sequence 2 still in the header
+        assert reader.slot_seqs().tolist() == [0, 3, -1, -1] and reader.slot_seq(2) == -1
+        writer._w[lock] += 1
+
+
+def test_clear_slot_clears_the_slot_it_is_given(name):
+    with RingBuffer.create(name, LAYOUT, slots=3) as writer, RingBuffer.attach(name, LAYOUT) as reader:
+        for v in range(3):
+            _write(writer, v)
+        writer.clear_slot(1)
+        assert reader.slot_seqs().tolist() == [0, -1, 2]
+
+
+def test_pin_checks_its_slot_and_reads_the_header_of_that_slot(name):
+    """Pins of a later slot with metadata and of a payload committed without metadata (an empty
+    metadata blob checks as empty); a slot number out of range is refused, naming it."""
+    with RingBuffer.create(name, LAYOUT, slots=2) as writer, RingBuffer.attach(name, LAYOUT) as reader:
+        _write(writer, 1)                                             # slot 0: no metadata
+        _write(writer, 2, meta={"ref": "ep1"})                        # slot 1
+        p0, p1 = reader.pin(0, 0), reader.pin(1, 1)
+        assert p0 is not None and p0.meta is None and p0.valid()
+        assert p1 is not None and p1.meta == {"ref": "ep1"} and payload_matches(dict(p1.views), 2)
+        for bad in (2, -1):
+            with pytest.raises(ValueError, match=rf"slot must be in \[0, 2\), got {bad}"):
+                reader.pin(bad)
+
+
+def test_peek_layout_names_what_is_wrong_with_the_segment(name):
+    with pytest.raises(RingNotFoundError, match=f"ring {name!r} does not exist"):
+        RingBuffer.peek_layout(name)
+    foreign = SharedMemory(name=name, create=True, size=4096)
+    try:
+        with pytest.raises(RingBufferError, match=f"ring {name!r} is not an initialised vla_runtime ring"):
+            RingBuffer.peek_layout(name)
+    finally:
+        foreign.close()
+        foreign.unlink()
+    with RingBuffer.create(name, LAYOUT, slots=2) as writer:
+        writer._map[C.LAYOUT_OFFSET:C.LAYOUT_OFFSET + 2] = b"{{"      # the layout JSON broken
+        with pytest.raises(RingBufferError, match=f"ring {name!r}: the writer's layout description is unreadable"):
+            RingBuffer.peek_layout(name)
+
+
+def test_repr_says_which_end_and_whether_closed_and_pickling_says_what_to_do(name):
+    import pickle
+
+    writer = RingBuffer.create(name, LAYOUT, slots=2)
+    reader = RingBuffer.attach(name, LAYOUT)
+    assert repr(writer) == f"RingBuffer({name!r}, slots=2, tag={LAYOUT.tag}, writer)"
+    assert repr(reader) == f"RingBuffer({name!r}, slots=2, tag={LAYOUT.tag}, reader)"
+    assert writer.replaced() is False and reader.replaced() is False      # the owner is never replaced
+    with pytest.raises(TypeError, match=r"a RingBuffer cannot be pickled: call RingBuffer.attach\(name, layout\)"):
+        pickle.dumps(writer)
+    reader.close()
+    writer.close()
+    assert repr(writer).endswith(", closed)") and repr(reader).endswith(", closed)")
+
+
+def test_pid_alive_tells_live_dead_and_zombie_processes_even_with_a_parenthesis_in_the_name():
+    """A crashed writer can linger as a zombie until its parent reaps it: it must count as dead.
+    ``/proc/<pid>/stat`` puts the command name in parentheses before the state, and the name may
+    itself hold ") ": the state is the first field after the *last* ')'."""
+    from vla_runtime.ipc.ring import _pid_alive
+
+    assert _pid_alive(os.getpid()) and _pid_alive(1)
+    assert not _pid_alive(0) and not _pid_alive(-1)
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    zombie = subprocess.Popen([sys.executable, "-c", "open('/proc/self/comm', 'w').write('a) b')"])
+    try:
+        for _ in range(200):                               # wait (no time assert) until it has exited
+            with open(f"/proc/{zombie.pid}/stat", "rb") as f:
+                if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+                    break
+            time.sleep(0.05)
+        with open(f"/proc/{zombie.pid}/comm", "rb") as f:
+            assert f.read().strip() == b"a) b"
+        assert _pid_alive(live.pid) and not _pid_alive(zombie.pid)
+    finally:
+        live.kill()
+        live.wait()
+        zombie.wait()
+    assert not _pid_alive(zombie.pid)                      # reaped: gone
+
+
+def test_metadata_of_exactly_the_header_size_fits_and_one_byte_more_is_named(name):
+    """Dicts are stored as compact JSON: {"x": "y" * 248} is 256 bytes that way (and more with the
+    default separators), exactly what the header holds."""
+    with RingBuffer.create(name, LAYOUT, slots=1) as writer, RingBuffer.attach(name, LAYOUT) as reader:
+        meta = {"x": "y" * 248}
+        assert writer.begin_write().commit(meta) == (0, 0)
+        out = _out()
+        assert reader.read(0, 0, out).meta == meta                   # a one-slot ring reads too
+        w = writer.begin_write()
+        with pytest.raises(ValueError, match="slot metadata is 257 bytes encoded, the slot header holds 256"):
+            w.commit({"x": "y" * 249})
+        with pytest.raises(TypeError, match="slot metadata must be a dict, bytes or None, got list"):
+            w.commit([1])
+        w.abort()
+        with pytest.raises(ValueError, match="out must map at least one field name to a preallocated tensor"):
+            reader.read_latest({})
+
+
+def test_checksum_failures_and_torn_giveups_are_counted_per_event(name):
+    """A header whose checksum does not match is refused and counted each time; a slot held odd
+    (a writer mid-write) through every retry is a torn give-up, counted each time."""
+    with RingBuffer.create(name, LAYOUT, slots=2) as writer, RingBuffer.attach(name, LAYOUT) as reader:
+        slot, seq = _write(writer, 1)
+        crc = writer._hword(slot, C.H_CHECKSUM)
+        writer._w[crc] ^= 1
+        out = _out()
+        assert reader.read(slot, seq, out) is None and reader.read(slot, seq, out) is None
+        assert reader.stats.checksum_failures == 2
+        writer._w[crc] ^= 1
+        assert reader.read(slot, seq, out) is not None and reader.stats.checksum_failures == 2
+        lock = writer._hword(slot, C.H_SEQLOCK)
+        writer._w[lock] += 1
+        assert reader.read_latest(out) is None and reader.read_latest(out) is None
+        assert reader.stats.torn_giveups == 2
+        writer._w[lock] += 1
+
+
+def test_the_smallest_ring_and_one_read_attempt_are_accepted_and_less_is_named(name):
+    with RingBuffer.create(name, LAYOUT, slots=1, read_retries=1) as writer:
+        _write(writer, 2)
+        with RingBuffer.attach(name, LAYOUT, read_retries=1) as reader:
+            out = _out()
+            assert reader.read_latest(out).seq == 0 and payload_matches(out, 2)
+    with pytest.raises(ValueError, match="slots must be an int >= 1, got 0"):
+        RingBuffer.create(name, LAYOUT, slots=0)
+    with pytest.raises(ValueError, match="read_retries must be >= 1, got 0"):
+        RingBuffer.create(name, LAYOUT, slots=1, read_retries=0)

@@ -45,7 +45,7 @@ def plain_rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Te
 def test_rms_norm_is_the_gemma_formula_on_both_paths(dtype, tol):
     """eps 0.5 is large on purpose: adding it anywhere but inside the root shows."""
     g = gen(1)
-    x = (torch.randn(3, 8, generator=g) * torch.tensor([[0.1], [1.0], [4.0]])).to(dtype)
+    x = (torch.randn(2, 3, 8, generator=g) * torch.tensor([[0.1], [1.0], [4.0]])).to(dtype)   # [B, T, W]
     scale = 1.0 + torch.randn(8, generator=g)
     want = plain_rms_norm(x, scale, 0.5)
     got = rms_norm(x, scale, 0.5)
@@ -56,15 +56,22 @@ def test_rms_norm_is_the_gemma_formula_on_both_paths(dtype, tol):
     torch.testing.assert_close(out.double(), want, **tol)
 
 
-def test_rms_norm_module_folds_one_plus_weight():
+def test_rms_norm_module_folds_one_plus_weight_and_saves_only_the_weight():
+    """Before any ``refresh`` the scale is 1 (``1 + w`` of the zero weight); after it, 1 + w.
+    The folded scale is derived, never saved: a state dict holds the public weight alone, so it
+    loads back into a checkpoint layout that has no ``scale``. ``out`` is filled in place."""
     norm = RMSNorm(6, eps=1e-6)
+    x = torch.randn(2, 6, generator=gen(2))
+    torch.testing.assert_close(norm(x).double(), plain_rms_norm(x, torch.ones(6), 1e-6), **F32)
     with torch.no_grad():
         norm.weight.copy_(torch.linspace(-0.5, 0.5, 6))
     norm.refresh()
     torch.testing.assert_close(norm.scale, 1.0 + torch.linspace(-0.5, 0.5, 6))
-    x = torch.randn(2, 6, generator=gen(2))
     torch.testing.assert_close(norm(x).double(), plain_rms_norm(x, norm.scale, 1e-6), **F32)
-    assert norm.eps == 1e-6
+    out = torch.full_like(x, float("nan"))
+    assert norm(x, out=out) is out
+    torch.testing.assert_close(out.double(), plain_rms_norm(x, norm.scale, 1e-6), **F32)
+    assert list(norm.state_dict()) == ["weight"] and norm.eps == 1e-6
 
 
 def test_gelu_tanh_is_the_tanh_approximation_in_place():
@@ -139,7 +146,7 @@ def test_attend_is_grouped_query_softmax_attention(kv_heads, path, masked):
         bias = torch.zeros(b, 1, 1, length)
         bias[0, ..., 1] = -math.inf
         bias[1, ..., 3:] = -math.inf
-    scale = d ** -0.5
+    scale = 0.3                      # not the 1/sqrt(D) default of the fused kernel: must be passed on
     want = plain_attention(q, cache.k[:, :, :length], cache.v[:, :, :length], scale, bias)
     scores = None if path == "fused" else torch.full((b * h * t * 7,), float("nan"))
     out = torch.full((b, t, h * d), float("nan")) if path != "scores" else None
