@@ -47,6 +47,7 @@ from .lifecycle import hold_target
 from .managed import SHUTDOWN_WAIT_S, ManagedNode
 from .params import POLICY, profile_and_checkpoint, ring_names
 from .priority import control_priority
+from .request_timeout import RequestTimeout
 from .prefix_ring import EPISODE_TOPIC, READY_TOPIC, REQUEST_TOPIC, subscribe_instruction
 from .spin import CallbackGate, gated, run
 from .tick_loop import TickLoop
@@ -65,6 +66,7 @@ class Asked:
     monotonic_ns: int
 
 
+GIVEN_UP_KEPT = 8       # requests asked again whose late answers still teach the wait (request_timeout.py)
 TICK_WINDOW_S = 10.0    # the tick timing in the diagnostics covers this much of the recent past
 TICK_TOPIC = "vla_runtime/tick_starts"   # each second: the control ticks' start times (monotonic ns)
 
@@ -102,6 +104,8 @@ class PolicyNode(ManagedNode):
         self.joints = JointStateAssembler(prof.joint_names)
         self.task: str | None = None
         self.request_timeouts = 0
+        self.timeout = RequestTimeout()   # the wait for an answer, raised by answers that came too late
+        self.given_up: dict[int, Asked] = {}   # the last requests asked again (their answers may still come)
         self.cached_calls = 0
         self.refused_joint_states = 0
         self.refused_instructions = 0
@@ -200,7 +204,9 @@ class PolicyNode(ManagedNode):
 
     @property
     def request_timeout_s(self) -> float:
-        return float(self.params["request_timeout_s"])
+        """The wait for a prefix request's answer now: the parameter, or longer on a machine
+        where calls were seen to take longer (``request_timeout.RequestTimeout``)."""
+        return self.timeout.seconds(float(self.params["request_timeout_s"]))
 
     def _now_ns(self) -> int:
         """This node's clock: ROS time, or /clock with use_sim_time (ticks, ages, latencies)."""
@@ -290,9 +296,11 @@ class PolicyNode(ManagedNode):
         req = self.controller.in_flight
         asked = self.requested_at.get(req.request_seq) if req is not None else None
         if asked is not None and self._now_ns() * 1e-9 - asked.clock_s > self.request_timeout_s:
-            self.get_logger().warning(f"prefix request {req.request_seq} unanswered after {self.request_timeout_s} s: "
+            self.get_logger().warning(f"prefix request {req.request_seq} unanswered after {self.request_timeout_s:g} s: "
                                       "asking again")
-            self.requested_at.pop(req.request_seq, None)
+            self.given_up[req.request_seq] = self.requested_at.pop(req.request_seq)
+            for seq in sorted(self.given_up)[:-GIVEN_UP_KEPT]:
+                del self.given_up[seq]
             self.request_timeouts += 1
             self.controller.abandon(tick)
 
@@ -311,6 +319,13 @@ class PolicyNode(ManagedNode):
             self.get_logger().warning(f"slot {msg.slot} seq {msg.sequence} was overwritten before it was read")
             return
         asked = self.requested_at.get(result.request_seq)
+        late = self.given_up.pop(result.request_seq, None)
+        if asked is None and late is not None and result.meta.stamp_ns >= late.monotonic_ns:
+            # the answer to a request given up on: too late for the plan, but it says how long a call takes here
+            warning = self.timeout.late_answer(self._now_ns() * 1e-9 - late.clock_s, float(self.params["request_timeout_s"]))
+            if warning:
+                self.get_logger().warning(warning)
+            return
         if asked is None or result.meta.stamp_ns < asked.monotonic_ns:
             # Encoded before this request was made: a leftover for a request of this node's
             # previous run (same request number after a restart), never this call's answer.
@@ -418,6 +433,7 @@ class PolicyNode(ManagedNode):
                   "held_ticks": str(c.safety.counts.get("held", 0)),
                   "clamped_ticks": str(c.safety.counts.get("clamped", 0)),
                   "watchdog_stale_events": str(c.watchdog.stale_events), "request_timeouts": str(self.request_timeouts),
+                  "request_wait_s": f"{self.request_timeout_s:.2f}",
                   "cached_calls": str(self.cached_calls),
                   "rejected_chunks": str(c.rejected), "stale_slots": str(self.stale_slots),
                   "holds_published": str(self.holds_published),
