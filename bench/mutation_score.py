@@ -8,6 +8,13 @@ to ``--out`` as JSON; a module cut by its time limit is reported as such, with w
 
     python bench/mutation_score.py --out out/mutation.json            # every module (hours on 2 cores)
     python bench/mutation_score.py --only engine/safety.py --limit-s 1200
+    python bench/mutation_score.py --only engine/safety.py --survivors-of out/mutation.json
+
+``--survivors-of`` re-runs, in a fresh copy (so mutmut maps the current tests to functions anew),
+only the mutants a previous full run of the same module left alive. Tests are only ever added
+between the two runs, so what the first run killed stays killed; the report adds the re-run's
+kills to the first run's and keeps its total. The module's source must be unchanged (its hash is
+recorded and compared), else mutant names would not denote the same mutants.
 
 ``make mutation`` runs it (not part of ``make test``). Killed counts mutmut's "killed" and
 "timeout" (the tests stopped the mutant); survived is what no test noticed. docs/mutation.md
@@ -17,6 +24,7 @@ holds the last figures and the survivors argued equivalent.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -82,7 +90,13 @@ def diff(root: Path, mutant: str) -> str:
                           text=True).stdout
 
 
-def score(module: str, tests: tuple[str, ...], limit_s: float, children: int) -> dict:
+def source_hash(module: str) -> str:
+    return hashlib.sha256((REPO / "vla_runtime" / module).read_bytes()).hexdigest()
+
+
+def score(module: str, tests: tuple[str, ...], limit_s: float, children: int,
+          only_mutants: list[str] | None = None) -> dict:
+    """One mutmut run over ``module`` (every mutant, or only ``only_mutants``) in a fresh copy."""
     with tempfile.TemporaryDirectory(prefix="mutmut_") as tmp:
         root = Path(tmp)
         copy_repo(root)
@@ -90,8 +104,9 @@ def score(module: str, tests: tuple[str, ...], limit_s: float, children: int) ->
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ""}
         t0 = time.monotonic()
         try:
-            subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", str(children)], cwd=root,
-                           env=env, capture_output=True, text=True, timeout=limit_s)
+            subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", str(children),
+                            *(only_mutants or [])], cwd=root, env=env, capture_output=True, text=True,
+                           timeout=limit_s)
             finished = True
         except subprocess.TimeoutExpired:
             finished = False
@@ -100,13 +115,32 @@ def score(module: str, tests: tuple[str, ...], limit_s: float, children: int) ->
         counts: dict[str, int] = {}
         for s in st.values():
             counts[s] = counts.get(s, 0) + 1
+        if only_mutants:
+            st = {n: s for n, s in st.items() if n in only_mutants}
         tested = {n: s for n, s in st.items() if s not in ("not checked", "skipped")}
         killed = sum(s in KILLED for s in tested.values())
         survivors = sorted(n for n, s in tested.items() if s == "survived")
-        return {"module": module, "tests": list(tests), "finished": finished, "seconds": seconds,
+        return {"module": module, "source_sha256": source_hash(module), "tests": list(tests),
+                "finished": finished, "seconds": seconds,
                 "counts": counts, "total": len(st), "tested": len(tested), "killed": killed,
                 "score": round(killed / len(tested), 4) if tested else None,
                 "survivors": {n: diff(root, n) for n in survivors}}
+
+
+def rescore(first: dict, limit_s: float, children: int) -> dict:
+    """Re-run ``first``'s survivors with today's tests; kills add to ``first``'s."""
+    module = first["module"]
+    if first.get("source_sha256") != source_hash(module):
+        raise SystemExit(f"{module} changed since the run being re-scored (source hash differs): "
+                         "run it in full")
+    if not first["finished"]:
+        raise SystemExit(f"the run of {module} being re-scored was cut by its time limit: run it in full")
+    again = score(module, MODULES[module], limit_s, children, only_mutants=sorted(first["survivors"]))
+    killed = first["killed"] + again["killed"]
+    return {**again, "rescored_from": {"killed": first["killed"], "tested": first["tested"],
+                                       "seconds": first["seconds"]},
+            "counts": None, "total": first["total"], "tested": first["tested"], "killed": killed,
+            "score": round(killed / first["tested"], 4), "finished": again["finished"]}
 
 
 def main() -> None:
@@ -115,6 +149,8 @@ def main() -> None:
     ap.add_argument("--limit-s", type=float, default=1800.0, help="time limit per module")
     ap.add_argument("--children", type=int, default=2, help="mutants tested at once")
     ap.add_argument("--out", type=Path, default=REPO / "out" / "mutation.json")
+    ap.add_argument("--survivors-of", type=Path, metavar="JSON",
+                    help="a previous report: re-run only its survivors of each module (--only) it holds")
     args = ap.parse_args()
     unknown = [m for m in args.only if m not in MODULES]
     if unknown:
@@ -123,7 +159,13 @@ def main() -> None:
     for module, tests in MODULES.items():
         if args.only and module not in args.only:
             continue
-        r = score(module, tests, args.limit_s, args.children)
+        if args.survivors_of:
+            previous = json.loads(args.survivors_of.read_text())
+            if module not in previous:
+                continue
+            r = rescore(previous[module], args.limit_s, args.children)
+        else:
+            r = score(module, tests, args.limit_s, args.children)
         report[module] = r
         print(f"{module}: {r['killed']}/{r['tested']} killed ({r['score']}), {len(r['survivors'])} survived, "
               f"{'finished' if r['finished'] else 'cut by the time limit'} in {r['seconds']} s", flush=True)

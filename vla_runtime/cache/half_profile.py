@@ -99,10 +99,7 @@ def cases_from_repository(model: Pi05Model, repo: ReferenceRepository, calls_per
     gen = torch.Generator().manual_seed(seed)
     device = next(model.parameters()).device
     for task in repo.tasks():
-        episodes = repo.episodes(task)
-        if not episodes:
-            continue
-        query = episodes[-1].episode_id
+        query = repo.episodes(task)[-1].episode_id   # a listed task has an episode (the index drops empty ones)
         keys, feats = repo.retrieval_matrix(task)
         pool = [k for k, (e, _) in enumerate(keys) if e != query] or list(range(len(keys)))
         cand = torch.nn.functional.normalize(feats[pool].float(), dim=1)
