@@ -4,12 +4,15 @@ runs (stages.py), which must leave the rings untouched."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import numpy as np
 import pytest
 
 from vla_runtime.engine.controller import ControllerConfig, StreamingController
 from vla_runtime.engine.safety import JointLimits
-from vla_runtime.nodes.lifecycle import PeerWatch, hold_target
+from vla_runtime.nodes.lifecycle import PeerWatch, hold_target, release_memory, settle_heap
 from vla_runtime.nodes.stages import PolicyStage, RingNames, VisionStage, load_policy
 from vla_runtime.nodes.profile import EngineSpec
 
@@ -56,6 +59,32 @@ def test_a_peer_is_given_the_timeout_then_warned_about_until_heard_then_an_error
 def test_a_watch_needs_a_peer():
     with pytest.raises(ValueError, match="at least one peer"):
         PeerWatch((), 0.0, 1.0)
+
+
+class _Cycle:
+    """An object in a reference cycle: only the cyclic collector can free it."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_a_settled_heap_is_left_out_of_collections_until_memory_is_released():
+    try:
+        loaded = _Cycle()   # what a configure leaves behind (the model, rclpy)
+        gone = weakref.ref(loaded)
+        assert settle_heap() >= 1 and gc.get_freeze_count() >= 1
+        del loaded
+        gc.collect()        # a full collection no longer walks it, so the dropped cycle stays
+        assert gone() is not None
+        after = _Cycle()    # allocated after the freeze: collected as usual
+        after_ref = weakref.ref(after)
+        del after
+        gc.collect()
+        assert after_ref() is None
+        release_memory()    # a cleanup thaws and collects: the cycle goes
+        assert gone() is None and gc.get_freeze_count() == 0
+    finally:
+        gc.unfreeze()
 
 
 def test_warm_ups_run_a_call_without_touching_the_rings(demo):

@@ -1,5 +1,6 @@
 """What the managed (lifecycle) nodes decide, without ROS: what a deactivated policy holds,
-which peer has gone silent, and giving memory back after a cleanup.
+which peer has gone silent, keeping the garbage collector out of the control loop after a
+configure, and giving memory back after a cleanup.
 
 The rclpy side (``managed.py`` and the three node classes) only calls these; tests drive them
 directly.
@@ -67,9 +68,26 @@ class PeerWatch:
         return {f"{p}_last_heard_s": f"{now_s - t:.1f}" for p, t in self.last_heard.items()}
 
 
+def settle_heap() -> int:
+    """After a configure: collect once, then freeze what is left (the model, rclpy, the stage).
+
+    A node process holds about 300k Python objects once its model is loaded. CPython's full
+    (oldest-generation) collection walks all of them, holding the interpreter lock: measured
+    at 100-300 ms here (2-core CPU). The executor's per-message garbage sets one off now and
+    then, and the control tick, which needs the interpreter to run, waits it out: ticks missed
+    while no call ran (``bench/control_tick.py``). Frozen objects are left out of every
+    collection (they are freed by their reference counts as usual), so a full collection then
+    walks only what was allocated since. Returns how many objects were frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 def release_memory() -> None:
     """After a cleanup dropped the model: collect it now and hand cached GPU blocks back, so the
-    memory is free while the node waits to be configured again (not only at the next collection)."""
+    memory is free while the node waits to be configured again (not only at the next collection).
+    What ``settle_heap`` froze is thawed first: a frozen cycle would never be collected."""
+    gc.unfreeze()
     gc.collect()
     import torch
 

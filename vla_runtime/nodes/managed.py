@@ -33,7 +33,7 @@ from rclpy.subscription import Subscription
 from rclpy.timer import Timer
 
 from .diagnostics import DIAGNOSTICS_TOPIC, status_name
-from .lifecycle import PeerWatch, release_memory
+from .lifecycle import PeerWatch, release_memory, settle_heap
 from .params import Param, declare_parameters
 from .spin import CallbackGate, start_failure
 
@@ -180,7 +180,8 @@ class ManagedNode(LifecycleNode):
             self._cleanup()        # undo what the configure made before it failed
             self.failure = failure
         else:
-            self.get_logger().info("configured")
+            frozen = settle_heap()
+            self.get_logger().info(f"configured ({frozen} objects left out of garbage collection)")
         return result
 
     def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
