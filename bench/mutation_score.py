@@ -14,7 +14,8 @@ to ``--out`` as JSON; a module cut by its time limit is reported as such, with w
 only the mutants a previous full run of the same module left alive. Tests are only ever added
 between the two runs, so what the first run killed stays killed; the report adds the re-run's
 kills to the first run's and keeps its total. The module's source must be unchanged (its hash is
-recorded and compared), else mutant names would not denote the same mutants.
+recorded and compared), else mutant names would not denote the same mutants. A first run cut
+by its time limit is re-scored over the part it tested (``partial`` in the report).
 
 ``make mutation`` runs it (not part of ``make test``). Killed counts mutmut's "killed" and
 "timeout" (the tests stopped the mutant); survived is what no test noticed. docs/mutation.md
@@ -133,14 +134,14 @@ def rescore(first: dict, limit_s: float, children: int) -> dict:
     if first.get("source_sha256") != source_hash(module):
         raise SystemExit(f"{module} changed since the run being re-scored (source hash differs): "
                          "run it in full")
-    if not first["finished"]:
-        raise SystemExit(f"the run of {module} being re-scored was cut by its time limit: run it in full")
     again = score(module, MODULES[module], limit_s, children, only_mutants=sorted(first["survivors"]))
     killed = first["killed"] + again["killed"]
+    # a first run cut by its time limit tested only part of the module: the score is over that part
     return {**again, "rescored_from": {"killed": first["killed"], "tested": first["tested"],
-                                       "seconds": first["seconds"]},
+                                       "seconds": first["seconds"], "finished": first["finished"]},
             "counts": None, "total": first["total"], "tested": first["tested"], "killed": killed,
-            "score": round(killed / first["tested"], 4), "finished": again["finished"]}
+            "score": round(killed / first["tested"], 4), "finished": again["finished"] and first["finished"],
+            "partial": not first["finished"]}
 
 
 def main() -> None:
