@@ -57,7 +57,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "cache/retrieval.py": ("test/cache/test_retrieval.py",),
     "engine/stitching.py": ("test/engine/test_stitching.py",),
     "models/checkpoint.py": ("test/models/test_checkpoint.py", "test/models/test_checkpoint_layout.py",
-                             "test/models/test_shared_weights.py"),
+                             "test/models/test_shared_weights.py", "test/models/test_parts.py"),
     "cache/repository.py": ("test/cache/test_repository.py",),
     "ipc/ring.py": ("test/ipc/test_ring.py",),
 }

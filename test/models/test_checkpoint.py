@@ -104,6 +104,9 @@ def test_refuses_missing_tensor(ckpt: Path):
     _rewrite(ckpt, lambda t: t.pop(Q_KEY))
     with pytest.raises(CheckpointError, match=r"missing tensors \(1\):\s+paligemma_with_expert\..*layers\.0\.self_attn\.q_proj\.weight"):
         load_checkpoint(ckpt)
+    with pytest.raises(CheckpointError) as refused:   # the refusal names the checkpoint it refuses
+        load_checkpoint(ckpt)
+    assert str(refused.value).startswith(f"refusing checkpoint {ckpt}:")
 
 
 def test_refuses_unexpected_tensor(ckpt: Path):
@@ -250,6 +253,20 @@ def test_embedding_falls_back_to_lm_head_without_embed_tokens(tmp_path: Path, ti
     _rewrite(path, edit)
     ck = load_checkpoint(path)
     assert torch.equal(ck.model.embed_tokens.weight, load_file(str(path / WEIGHTS))[prefix + HEAD])
+
+
+def test_lm_head_may_be_absent_beside_embed_tokens_but_is_shape_checked_when_present(ckpt: Path, tiny_model):
+    """LeRobot's layout has both tensors; a file that saved the tied weights once as embed_tokens
+    loads without lm_head (it is never read), and an lm_head present must still have its shape."""
+    stored = load_file(str(ckpt / WEIGHTS))
+    _rewrite(ckpt, lambda t: t.pop("model." + HEAD))
+    ck = load_checkpoint(ckpt)
+    assert torch.equal(ck.model.embed_tokens.weight, stored["model." + EMB])
+    cfg = tiny_model.cfg
+    _rewrite(ckpt, lambda t: t.__setitem__("model." + HEAD, torch.zeros(cfg.vocab_size, cfg.vlm.width + 1)))
+    with pytest.raises(CheckpointError, match=rf"mis-shaped tensors \(1\):\s+{HEAD}: expected "
+                                              rf"\({cfg.vocab_size}, {cfg.vlm.width}\)"):
+        load_checkpoint(ckpt)
 
 
 def test_refuses_checkpoint_without_a_text_embedding(ckpt: Path):
