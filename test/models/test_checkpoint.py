@@ -22,7 +22,7 @@ from vla_runtime.models.checkpoint import (
 )
 from vla_runtime.models.config import preset
 from vla_runtime.models.pi05 import Pi05Model, init_random_
-from vla_runtime.testing.checkpoints import header_only_checkpoint, lerobot_features, public_shapes
+from vla_runtime.testing.checkpoints import header_only_checkpoint, lerobot_features, public_shapes, write_header_only
 
 WEIGHTS = "model.safetensors"
 Q_KEY = "model.paligemma_with_expert.paligemma.model.language_model.layers.0.self_attn.q_proj.weight"
@@ -298,8 +298,9 @@ def test_refuses_listed_empty_camera_beyond_empty_cameras(tmp_path: Path):
 def test_refuses_variant_that_contradicts_the_tensors(tmp_path: Path, key: str, name: str, width: int):
     ckdir = header_only_checkpoint(tmp_path / "d2", preset("pi05-d2"), lerobot_features(["base_0_rgb"], 0) | {key: name})
     index, _ = read_tensor_index(checkpoint_files(ckdir))
-    with pytest.raises(CheckpointError, match=rf"{key}='{name}' means width \d+ .* but the tensors have width {width}"):
+    with pytest.raises(CheckpointError, match=rf"{key}='{name}' means width \d+ .* but the tensors have width {width}") as e:
         infer_config(ckdir, index)
+    assert str(e.value).startswith(f"{ckdir}: ")   # which checkpoint says so
 
 
 def test_variant_names_that_match_are_accepted(tmp_path: Path):
@@ -317,3 +318,69 @@ def test_variant_checked_against_our_own_architecture_record_too(ckpt: Path):
     with pytest.raises(CheckpointError, match=r"paligemma_variant='gemma_2b' means width 2048 / MLP 16384, "
                                               r"but the tensors have width 96 / MLP 256"):
         load_checkpoint(ckpt)
+
+
+# ---------------------------------------------------------------- what config.json says, read without our own record
+
+LISTING = Path(__file__).resolve().parents[1] / "data" / "pi05_lerobot_layout.txt"
+# config.json key -> Pi05Config field, for what the tensors cannot tell
+META_FIELDS = {"chunk_size": "chunk_size", "max_state_dim": "max_state_dim", "num_inference_steps": "num_steps",
+               "tokenizer_max_length": "max_token_len", "min_period": "min_period", "max_period": "max_period"}
+
+
+def _lerobot_default(key: str) -> float:
+    """LeRobot's PI05Config default, as the committed listing of the public configuration prints it."""
+    for line in LISTING.read_text().splitlines():
+        name, sep, value = line.strip().partition(" = ")
+        if sep and name == key:
+            return float(value)
+    raise KeyError(key)
+
+
+def _infer(tmp_path: Path, meta: dict, name: str = "d2"):
+    ckdir = header_only_checkpoint(tmp_path / name, preset("pi05-d2"), meta)
+    index, _ = read_tensor_index(checkpoint_files(ckdir))
+    return infer_config(ckdir, index)
+
+
+def test_config_json_values_are_read_and_lerobot_s_defaults_fill_the_absent_ones(tmp_path: Path):
+    cams = lerobot_features(["c0", "c1"], 0)
+    given = {"chunk_size": 16, "max_state_dim": 24, "num_inference_steps": 5, "tokenizer_max_length": 48,
+             "min_period": 0.01, "max_period": 2.5}
+    got = _infer(tmp_path, cams | given, "given")
+    assert {f: getattr(got, f) for f in META_FIELDS.values()} == {META_FIELDS[k]: v for k, v in given.items()}
+    assert got.num_cameras == 2
+    # openpi spells the chunk action_horizon; chunk_size wins when both are there
+    assert _infer(tmp_path, cams | {"action_horizon": 12}, "openpi").chunk_size == 12
+    assert _infer(tmp_path, cams | {"action_horizon": 12, "chunk_size": 20}, "both").chunk_size == 20
+    # nothing said: LeRobot's defaults (from the listing, not from our code), and one camera slot
+    bare = _infer(tmp_path, {}, "bare")
+    assert {f: getattr(bare, f) for f in META_FIELDS.values()} == {f: _lerobot_default(k) for k, f in META_FIELDS.items()}
+    assert bare.num_cameras == 1
+
+
+def test_what_stops_the_architecture_being_read_is_named(tmp_path: Path):
+    def refused(edit, name: str) -> str:
+        ckdir = header_only_checkpoint(tmp_path / name, preset("pi05-d2"), lerobot_features(["c0"], 0))
+        shapes = {k: tuple(v.shape) for k, v in read_tensor_index(checkpoint_files(ckdir))[0].items()}
+        edit(shapes)
+        (ckdir / WEIGHTS).unlink()
+        write_header_only(ckdir / WEIGHTS, {"model." + k: s for k, s in shapes.items()})
+        with pytest.raises(CheckpointError) as e:
+            infer_config(ckdir, read_tensor_index(checkpoint_files(ckdir))[0])
+        return str(e.value)
+
+    action_in = "action_in_proj.weight"
+    assert refused(lambda s: s.pop(action_in), "missing") == \
+        f"cannot infer the architecture: tensor {action_in} is missing"
+    layers = "paligemma_with_expert.paligemma.model.vision_tower.vision_model.encoder.layers."
+    assert refused(lambda s: [s.pop(k) for k in list(s) if k.startswith(layers)], "no_layers") == \
+        f"cannot infer the architecture: no tensors under {layers}"
+    patch = "paligemma_with_expert.paligemma.model.vision_tower.vision_model.embeddings.patch_embedding.weight"
+    assert refused(lambda s: s.__setitem__(patch, (1024, 3, 14, 14)), "width") == \
+        "unknown SigLIP width 1024 (known: [1152])"
+    # tensors whose architecture does not validate: the checkpoint's path, then the reason
+    second = "paligemma_with_expert.gemma_expert.model.layers.1."
+    message = refused(lambda s: [s.pop(k) for k in list(s) if k.startswith(second)], "depths")
+    assert message == f"{tmp_path / 'depths'}: invalid pi0.5 config: VLM depth 2 != expert depth 1: " \
+                      "the expert attends layer by layer"
