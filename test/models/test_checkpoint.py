@@ -384,3 +384,36 @@ def test_what_stops_the_architecture_being_read_is_named(tmp_path: Path):
     message = refused(lambda s: [s.pop(k) for k in list(s) if k.startswith(second)], "depths")
     assert message == f"{tmp_path / 'depths'}: invalid pi0.5 config: VLM depth 2 != expert depth 1: " \
                       "the expert attends layer by layer"
+
+
+def test_what_a_load_returns_describes_the_files_it_read(ckpt: Path, tiny_model: Pi05Model):
+    ck = load_checkpoint(ckpt)
+    assert ck.config == tiny_model.cfg and ck.path == ckpt and ck.layout == "lerobot"
+    assert ck.files == [ckpt / WEIGHTS] and ck.content_hash == content_hash([ckpt / WEIGHTS])
+    assert not ck.model.training and not any(p.requires_grad for p in ck.model.parameters())   # inference only
+    assert load_checkpoint(ckpt, compute_hash=False).content_hash == "unhashed"
+
+
+def test_a_long_refusal_lists_twenty_tensors_of_each_kind_then_counts_the_rest(ckpt: Path):
+    """25 tensors missing and one unexpected: the first 20 missing by name, "... and 5 more", then
+    the unexpected one, each kind under its own title."""
+    names = sorted(k.removeprefix("model.") for k in load_file(str(ckpt / WEIGHTS)) if ".layers." in k)[:25]
+
+    def edit(t: dict[str, torch.Tensor]) -> None:
+        for k in names:
+            t.pop("model." + k)
+        t["model.surplus.weight"] = torch.zeros(2)
+
+    _rewrite(ckpt, edit)
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(ckpt)
+    assert str(e.value) == (f"refusing checkpoint {ckpt}:\n  missing tensors (25):\n    " + "\n    ".join(names[:20])
+                            + "\n    ... and 5 more\n  unexpected tensors (1):\n    surplus.weight")
+
+
+def test_twenty_refused_tensors_are_all_listed_with_no_count_after(ckpt: Path):
+    names = sorted(k.removeprefix("model.") for k in load_file(str(ckpt / WEIGHTS)) if ".layers." in k)[:20]
+    _rewrite(ckpt, lambda t: [t.pop("model." + k) for k in names])
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(ckpt)
+    assert str(e.value) == f"refusing checkpoint {ckpt}:\n  missing tensors (20):\n    " + "\n    ".join(names)
