@@ -15,6 +15,7 @@ from vla_runtime.models.checkpoint import (
     checkpoint_files,
     content_hash,
     infer_config,
+    layout_groups,
     load_checkpoint,
     read_tensor_index,
     save_checkpoint,
@@ -417,3 +418,100 @@ def test_twenty_refused_tensors_are_all_listed_with_no_count_after(ckpt: Path):
     with pytest.raises(CheckpointError) as e:
         load_checkpoint(ckpt)
     assert str(e.value) == f"refusing checkpoint {ckpt}:\n  missing tensors (20):\n    " + "\n    ".join(names)
+
+
+# ---------------------------------------------------------------- safetensors headers, read by hand
+
+
+def _raw_header(path: Path) -> tuple[int, dict]:
+    """The safetensors format by its specification: an unsigned little-endian u64 n, then n bytes of JSON."""
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little", signed=False)
+    return n, json.loads(data[8:8 + n])
+
+
+def _file_of(header: bytes, tail: bytes = b"") -> bytes:
+    return len(header).to_bytes(8, "little") + header + tail
+
+
+def test_header_and_data_sizes_are_checked_to_the_byte(tmp_path: Path, ckpt: Path):
+    f = tmp_path / "x.safetensors"
+    f.write_bytes(_file_of(b"{}"))                 # no tensors, header exactly to the end of the file
+    assert read_tensor_index([f]) == ({}, "openpi")
+    f.write_bytes(_file_of(b"{}")[:-1])           # one byte short of what the header declares
+    with pytest.raises(CheckpointError) as e:
+        read_tensor_index([f])
+    assert str(e.value) == f"{f}: truncated file: header declares 2 bytes, file has 9"
+    f.write_bytes((2**63 + 5).to_bytes(8, "little") + b"{}")   # a length past the sign bit is still a length
+    with pytest.raises(CheckpointError) as e:
+        read_tensor_index([f])
+    assert str(e.value) == f"{f}: truncated file: header declares {2**63 + 5} bytes, file has 10"
+    # tensor data: the last data offset counts from the end of the header
+    weights = ckpt / WEIGHTS
+    n, header = _raw_header(weights)
+    end = max(h["data_offsets"][1] for k, h in header.items() if k != "__metadata__")
+    assert weights.stat().st_size == 8 + n + end
+    weights.write_bytes(weights.read_bytes()[:-1])
+    with pytest.raises(CheckpointError) as e:
+        read_tensor_index([weights])
+    assert str(e.value) == f"{weights}: truncated file: tensors need {8 + n + end} bytes, file has {8 + n + end - 1}"
+
+
+def test_file_metadata_is_not_a_tensor(tmp_path: Path, ckpt: Path, tiny_model: Pi05Model):
+    tensors = load_file(str(ckpt / WEIGHTS))
+    save_file(tensors, str(ckpt / WEIGHTS), metadata={"format": "pt"})
+    assert "__metadata__" in _raw_header(ckpt / WEIGHTS)[1]
+    index, layout = read_tensor_index([ckpt / WEIGHTS])
+    assert layout == "lerobot" and sorted(index) == sorted(k.removeprefix("model.") for k in tensors)
+    f = tmp_path / "only_metadata.safetensors"
+    f.write_bytes(_file_of(b'{"__metadata__": {"format": "pt"}}'))
+    assert read_tensor_index([f]) == ({}, "openpi")
+
+
+def test_a_tensor_in_two_shards_is_refused_naming_both(tmp_path: Path):
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    save_file({"model.x": torch.zeros(2)}, str(a))
+    save_file({"model.x": torch.zeros(2)}, str(b))
+    with pytest.raises(CheckpointError) as e:
+        read_tensor_index([a, b])
+    assert str(e.value) == f"tensor model.x appears in two files: {a} and {b}"
+
+
+def test_lerobot_layout_only_when_every_tensor_has_the_prefix(tmp_path: Path):
+    f = tmp_path / "mixed.safetensors"
+    save_file({"model.a.weight": torch.zeros(1), "b.weight": torch.zeros(1)}, str(f))
+    index, layout = read_tensor_index([f])
+    assert layout == "openpi" and sorted(index) == ["b.weight", "model.a.weight"]   # names left as they are
+
+
+def test_older_transformers_spellings_load_as_the_current_ones(tmp_path: Path, tiny_model: Pi05Model):
+    """openpi checkpoints converted with older transformers name the PaliGemma submodules
+    ``paligemma.language_model.model.``, ``paligemma.language_model.lm_head.``,
+    ``paligemma.vision_tower.`` and ``paligemma.multi_modal_projector.``."""
+    path = save_checkpoint(tiny_model, tmp_path / "new", layout="openpi")
+    tensors = load_file(str(path / WEIGHTS))
+    current_to_old = {"paligemma_with_expert.paligemma.model.language_model.": "paligemma_with_expert.paligemma.language_model.model.",
+                      "paligemma_with_expert.paligemma.lm_head.": "paligemma_with_expert.paligemma.language_model.lm_head.",
+                      "paligemma_with_expert.paligemma.model.vision_tower.": "paligemma_with_expert.paligemma.vision_tower.",
+                      "paligemma_with_expert.paligemma.model.multi_modal_projector.":
+                          "paligemma_with_expert.paligemma.multi_modal_projector."}
+
+    def old_name(k: str) -> str:
+        for cur, old in current_to_old.items():
+            if k.startswith(cur):
+                return old + k[len(cur):]
+        return k
+
+    renamed = {old_name(k): t for k, t in tensors.items()}
+    assert all(sum(k.startswith(old) for k in renamed) > 0 for old in current_to_old.values())
+    old = tmp_path / "old"
+    old.mkdir()
+    save_file(renamed, str(old / WEIGHTS))
+    (old / "config.json").write_text((path / "config.json").read_text())
+    a, b = load_checkpoint(path).model.state_dict(), load_checkpoint(old).model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_an_embedding_name_that_is_neither_is_refused():
+    with pytest.raises(ValueError, match="embedding must be .*embed_tokens.* or .*lm_head.*, got 'bogus'"):
+        layout_groups(preset("pi05-tiny"), "bogus")
