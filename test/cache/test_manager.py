@@ -10,6 +10,7 @@ end to end on a repository built from bags; this file pins down what that run ca
 
 from __future__ import annotations
 
+import json
 import logging
 from types import SimpleNamespace
 
@@ -188,6 +189,23 @@ def test_construction_refuses_an_empty_repository_or_too_short_histories(model, 
     with pytest.raises(ValueError, match=f"repository histories cover {HIST} calls, retrieval needs {HIST + 1}"):
         CacheManager(model, repo, long)
     CacheManager(model, repo, ManagerConfig(retrieval=RetrievalConfig(history_len=HIST)))   # equal: enough
+
+
+def test_a_repository_with_a_layout_but_no_episode_gives_a_manager_that_runs_dense(model, repo, calls, tmp_path):
+    """An index can list a call layout and no episode (the repository itself resets the layout
+    when its last episode goes; a hand-edited index keeps it, and ``open`` accepts it): the
+    manager must come up, with room for the window only, and run every episode dense."""
+    root = tmp_path / "layout-only"
+    r = ReferenceRepository.create(root, RepositoryMeta(checkpoint_hash=HASH, model=MODEL, retrieval_layer=2,
+                                                        rho_n=0.5, mask_groups=[[0, 5], [5, 10]],
+                                                        history_len=HIST))
+    r.add_episode("A", "pick", calls["A"][:2])
+    index = json.loads((root / "index.json").read_text())
+    index["episodes"], index["tasks"] = {}, {}
+    (root / "index.json").write_text(json.dumps(index))
+    m = CacheManager.open(model, root, HASH, window_cfg())
+    assert m is not None and m.repo.tasks() == [] and m.matrix.capacity == T * (L + 1)
+    assert m.start_episode("pick") == NOTHING and m.candidates("pick") is None
 
 
 def test_open_keeps_config_and_store_and_refuses_without_raising(model, repo, tmp_path, caplog):
