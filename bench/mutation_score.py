@@ -11,7 +11,7 @@ to ``--out`` as JSON; a module cut by its time limit is reported as such, with w
     python bench/mutation_score.py --only engine/safety.py --survivors-of out/mutation.json
 
 ``--survivors-of`` re-runs, in a fresh copy (so mutmut maps the current tests to functions anew),
-only the mutants a previous full run of the same module left alive. Tests are only ever added
+only the mutants a previous full run of the same module left alive (survived, or no test). Tests are only ever added
 between the two runs, so what the first run killed stays killed; the report adds the re-run's
 kills to the first run's and keeps its total. The module's source must be unchanged (its hash is
 recorded and compared), else mutant names would not denote the same mutants. A first run cut
@@ -56,7 +56,8 @@ MODULES: dict[str, tuple[str, ...]] = {
     "cache/builder.py": ("test/cache/test_manager_builder.py", "test/cache/test_builder_dataset.py"),
     "cache/retrieval.py": ("test/cache/test_retrieval.py",),
     "engine/stitching.py": ("test/engine/test_stitching.py",),
-    "models/checkpoint.py": ("test/models/test_checkpoint.py", "test/models/test_checkpoint_layout.py"),
+    "models/checkpoint.py": ("test/models/test_checkpoint.py", "test/models/test_checkpoint_layout.py",
+                             "test/models/test_shared_weights.py", "test/models/test_parts.py"),
     "cache/repository.py": ("test/cache/test_repository.py",),
     "ipc/ring.py": ("test/ipc/test_ring.py",),
 }
@@ -121,11 +122,12 @@ def score(module: str, tests: tuple[str, ...], limit_s: float, children: int,
         tested = {n: s for n, s in st.items() if s not in ("not checked", "skipped")}
         killed = sum(s in KILLED for s in tested.values())
         survivors = sorted(n for n, s in tested.items() if s == "survived")
+        untested = sorted(n for n, s in tested.items() if s == "no tests")
         return {"module": module, "source_sha256": source_hash(module), "tests": list(tests),
                 "finished": finished, "seconds": seconds,
                 "counts": counts, "total": len(st), "tested": len(tested), "killed": killed,
                 "score": round(killed / len(tested), 4) if tested else None,
-                "survivors": {n: diff(root, n) for n in survivors}}
+                "untested": untested, "survivors": {n: diff(root, n) for n in survivors}}
 
 
 def rescore(first: dict, tests: tuple[str, ...], limit_s: float, children: int) -> dict:
@@ -134,7 +136,9 @@ def rescore(first: dict, tests: tuple[str, ...], limit_s: float, children: int) 
     if first.get("source_sha256") != source_hash(module):
         raise SystemExit(f"{module} changed since the run being re-scored (source hash differs): "
                          "run it in full")
-    again = score(module, tests, limit_s, children, only_mutants=sorted(first["survivors"]))
+    # what no test covered then may be covered now: it is re-run with the survivors
+    again = score(module, tests, limit_s, children,
+                  only_mutants=sorted(first["survivors"]) + first.get("untested", []))
     killed = first["killed"] + again["killed"]
     # a first run cut by its time limit tested only part of the module: the score is over that part
     return {**again, "rescored_from": {"killed": first["killed"], "tested": first["tested"],

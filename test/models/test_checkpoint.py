@@ -22,7 +22,7 @@ from vla_runtime.models.checkpoint import (
 )
 from vla_runtime.models.config import preset
 from vla_runtime.models.pi05 import Pi05Model, init_random_
-from vla_runtime.testing.checkpoints import header_only_checkpoint, lerobot_features, public_shapes
+from vla_runtime.testing.checkpoints import header_only_checkpoint, lerobot_features, public_shapes, write_header_only
 
 WEIGHTS = "model.safetensors"
 Q_KEY = "model.paligemma_with_expert.paligemma.model.language_model.layers.0.self_attn.q_proj.weight"
@@ -104,6 +104,9 @@ def test_refuses_missing_tensor(ckpt: Path):
     _rewrite(ckpt, lambda t: t.pop(Q_KEY))
     with pytest.raises(CheckpointError, match=r"missing tensors \(1\):\s+paligemma_with_expert\..*layers\.0\.self_attn\.q_proj\.weight"):
         load_checkpoint(ckpt)
+    with pytest.raises(CheckpointError) as refused:   # the refusal names the checkpoint it refuses
+        load_checkpoint(ckpt)
+    assert str(refused.value).startswith(f"refusing checkpoint {ckpt}:")
 
 
 def test_refuses_unexpected_tensor(ckpt: Path):
@@ -252,6 +255,20 @@ def test_embedding_falls_back_to_lm_head_without_embed_tokens(tmp_path: Path, ti
     assert torch.equal(ck.model.embed_tokens.weight, load_file(str(path / WEIGHTS))[prefix + HEAD])
 
 
+def test_lm_head_may_be_absent_beside_embed_tokens_but_is_shape_checked_when_present(ckpt: Path, tiny_model):
+    """LeRobot's layout has both tensors; a file that saved the tied weights once as embed_tokens
+    loads without lm_head (it is never read), and an lm_head present must still have its shape."""
+    stored = load_file(str(ckpt / WEIGHTS))
+    _rewrite(ckpt, lambda t: t.pop("model." + HEAD))
+    ck = load_checkpoint(ckpt)
+    assert torch.equal(ck.model.embed_tokens.weight, stored["model." + EMB])
+    cfg = tiny_model.cfg
+    _rewrite(ckpt, lambda t: t.__setitem__("model." + HEAD, torch.zeros(cfg.vocab_size, cfg.vlm.width + 1)))
+    with pytest.raises(CheckpointError, match=rf"mis-shaped tensors \(1\):\s+{HEAD}: expected "
+                                              rf"\({cfg.vocab_size}, {cfg.vlm.width}\)"):
+        load_checkpoint(ckpt)
+
+
 def test_refuses_checkpoint_without_a_text_embedding(ckpt: Path):
     _rewrite(ckpt, lambda t: (t.pop("model." + EMB), t.pop("model." + HEAD)))
     with pytest.raises(CheckpointError, match="no text embedding: neither .*embed_tokens.* nor .*lm_head"):
@@ -281,8 +298,9 @@ def test_refuses_listed_empty_camera_beyond_empty_cameras(tmp_path: Path):
 def test_refuses_variant_that_contradicts_the_tensors(tmp_path: Path, key: str, name: str, width: int):
     ckdir = header_only_checkpoint(tmp_path / "d2", preset("pi05-d2"), lerobot_features(["base_0_rgb"], 0) | {key: name})
     index, _ = read_tensor_index(checkpoint_files(ckdir))
-    with pytest.raises(CheckpointError, match=rf"{key}='{name}' means width \d+ .* but the tensors have width {width}"):
+    with pytest.raises(CheckpointError, match=rf"{key}='{name}' means width \d+ .* but the tensors have width {width}") as e:
         infer_config(ckdir, index)
+    assert str(e.value).startswith(f"{ckdir}: ")   # which checkpoint says so
 
 
 def test_variant_names_that_match_are_accepted(tmp_path: Path):
@@ -300,3 +318,102 @@ def test_variant_checked_against_our_own_architecture_record_too(ckpt: Path):
     with pytest.raises(CheckpointError, match=r"paligemma_variant='gemma_2b' means width 2048 / MLP 16384, "
                                               r"but the tensors have width 96 / MLP 256"):
         load_checkpoint(ckpt)
+
+
+# ---------------------------------------------------------------- what config.json says, read without our own record
+
+LISTING = Path(__file__).resolve().parents[1] / "data" / "pi05_lerobot_layout.txt"
+# config.json key -> Pi05Config field, for what the tensors cannot tell
+META_FIELDS = {"chunk_size": "chunk_size", "max_state_dim": "max_state_dim", "num_inference_steps": "num_steps",
+               "tokenizer_max_length": "max_token_len", "min_period": "min_period", "max_period": "max_period"}
+
+
+def _lerobot_default(key: str) -> float:
+    """LeRobot's PI05Config default, as the committed listing of the public configuration prints it."""
+    for line in LISTING.read_text().splitlines():
+        name, sep, value = line.strip().partition(" = ")
+        if sep and name == key:
+            return float(value)
+    raise KeyError(key)
+
+
+def _infer(tmp_path: Path, meta: dict, name: str = "d2"):
+    ckdir = header_only_checkpoint(tmp_path / name, preset("pi05-d2"), meta)
+    index, _ = read_tensor_index(checkpoint_files(ckdir))
+    return infer_config(ckdir, index)
+
+
+def test_config_json_values_are_read_and_lerobot_s_defaults_fill_the_absent_ones(tmp_path: Path):
+    cams = lerobot_features(["c0", "c1"], 0)
+    given = {"chunk_size": 16, "max_state_dim": 24, "num_inference_steps": 5, "tokenizer_max_length": 48,
+             "min_period": 0.01, "max_period": 2.5}
+    got = _infer(tmp_path, cams | given, "given")
+    assert {f: getattr(got, f) for f in META_FIELDS.values()} == {META_FIELDS[k]: v for k, v in given.items()}
+    assert got.num_cameras == 2
+    # openpi spells the chunk action_horizon; chunk_size wins when both are there
+    assert _infer(tmp_path, cams | {"action_horizon": 12}, "openpi").chunk_size == 12
+    assert _infer(tmp_path, cams | {"action_horizon": 12, "chunk_size": 20}, "both").chunk_size == 20
+    # nothing said: LeRobot's defaults (from the listing, not from our code), and one camera slot
+    bare = _infer(tmp_path, {}, "bare")
+    assert {f: getattr(bare, f) for f in META_FIELDS.values()} == {f: _lerobot_default(k) for k, f in META_FIELDS.items()}
+    assert bare.num_cameras == 1
+
+
+def test_what_stops_the_architecture_being_read_is_named(tmp_path: Path):
+    def refused(edit, name: str) -> str:
+        ckdir = header_only_checkpoint(tmp_path / name, preset("pi05-d2"), lerobot_features(["c0"], 0))
+        shapes = {k: tuple(v.shape) for k, v in read_tensor_index(checkpoint_files(ckdir))[0].items()}
+        edit(shapes)
+        (ckdir / WEIGHTS).unlink()
+        write_header_only(ckdir / WEIGHTS, {"model." + k: s for k, s in shapes.items()})
+        with pytest.raises(CheckpointError) as e:
+            infer_config(ckdir, read_tensor_index(checkpoint_files(ckdir))[0])
+        return str(e.value)
+
+    action_in = "action_in_proj.weight"
+    assert refused(lambda s: s.pop(action_in), "missing") == \
+        f"cannot infer the architecture: tensor {action_in} is missing"
+    layers = "paligemma_with_expert.paligemma.model.vision_tower.vision_model.encoder.layers."
+    assert refused(lambda s: [s.pop(k) for k in list(s) if k.startswith(layers)], "no_layers") == \
+        f"cannot infer the architecture: no tensors under {layers}"
+    patch = "paligemma_with_expert.paligemma.model.vision_tower.vision_model.embeddings.patch_embedding.weight"
+    assert refused(lambda s: s.__setitem__(patch, (1024, 3, 14, 14)), "width") == \
+        "unknown SigLIP width 1024 (known: [1152])"
+    # tensors whose architecture does not validate: the checkpoint's path, then the reason
+    second = "paligemma_with_expert.gemma_expert.model.layers.1."
+    message = refused(lambda s: [s.pop(k) for k in list(s) if k.startswith(second)], "depths")
+    assert message == f"{tmp_path / 'depths'}: invalid pi0.5 config: VLM depth 2 != expert depth 1: " \
+                      "the expert attends layer by layer"
+
+
+def test_what_a_load_returns_describes_the_files_it_read(ckpt: Path, tiny_model: Pi05Model):
+    ck = load_checkpoint(ckpt)
+    assert ck.config == tiny_model.cfg and ck.path == ckpt and ck.layout == "lerobot"
+    assert ck.files == [ckpt / WEIGHTS] and ck.content_hash == content_hash([ckpt / WEIGHTS])
+    assert not ck.model.training and not any(p.requires_grad for p in ck.model.parameters())   # inference only
+    assert load_checkpoint(ckpt, compute_hash=False).content_hash == "unhashed"
+
+
+def test_a_long_refusal_lists_twenty_tensors_of_each_kind_then_counts_the_rest(ckpt: Path):
+    """25 tensors missing and one unexpected: the first 20 missing by name, "... and 5 more", then
+    the unexpected one, each kind under its own title."""
+    names = sorted(k.removeprefix("model.") for k in load_file(str(ckpt / WEIGHTS)) if ".layers." in k)[:25]
+
+    def edit(t: dict[str, torch.Tensor]) -> None:
+        for k in names:
+            t.pop("model." + k)
+        t["model.surplus.weight"] = torch.zeros(2)
+
+    _rewrite(ckpt, edit)
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(ckpt)
+    assert str(e.value) == (f"refusing checkpoint {ckpt}:\n  missing tensors (25):\n    " + "\n    ".join(names[:20])
+                            + "\n    ... and 5 more\n  unexpected tensors (1):\n    surplus.weight")
+
+
+def test_twenty_refused_tensors_are_all_listed_with_no_count_after(ckpt: Path):
+    names = sorted(k.removeprefix("model.") for k in load_file(str(ckpt / WEIGHTS)) if ".layers." in k)[:20]
+    _rewrite(ckpt, lambda t: [t.pop("model." + k) for k in names])
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(ckpt)
+    assert str(e.value) == f"refusing checkpoint {ckpt}:\n  missing tensors (20):\n    " + "\n    ".join(names)
