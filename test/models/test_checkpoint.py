@@ -515,3 +515,39 @@ def test_older_transformers_spellings_load_as_the_current_ones(tmp_path: Path, t
 def test_an_embedding_name_that_is_neither_is_refused():
     with pytest.raises(ValueError, match="embedding must be .*embed_tokens.* or .*lm_head.*, got 'bogus'"):
         layout_groups(preset("pi05-tiny"), "bogus")
+
+
+# ---------------------------------------------------------------- what save_checkpoint writes, against the public layout
+
+
+def _listed_config_fields() -> set[str]:
+    """PI05Config field names as the committed listing of LeRobot's configuration prints them."""
+    return {line.strip().partition(" = ")[0] for line in LISTING.read_text().splitlines() if " = " in line}
+
+
+def test_a_saved_config_json_speaks_lerobot_s_pi05_config(tmp_path: Path, tiny_model: Pi05Model):
+    cfg = tiny_model.cfg
+    path = save_checkpoint(tiny_model, tmp_path / "a" / "b" / "ckpt")   # parent folders made as needed
+    meta = json.loads((path / "config.json").read_text())
+    values = {"chunk_size": cfg.chunk_size, "n_action_steps": cfg.chunk_size, "max_state_dim": cfg.max_state_dim,
+              "max_action_dim": cfg.action_dim, "num_inference_steps": cfg.num_steps,
+              "tokenizer_max_length": cfg.max_token_len, "min_period": cfg.min_period, "max_period": cfg.max_period,
+              "image_resolution": [cfg.vision.image_size] * 2}
+    assert set(values) <= _listed_config_fields()          # LeRobot's own names
+    assert {k: meta[k] for k in values} == values and meta["type"] == "pi05"
+    # features as LeRobot types them (FeatureType VISUAL / STATE / ACTION, in the listing)
+    s = cfg.vision.image_size
+    assert meta["input_features"] == {**{f"observation.images.cam{i}": {"type": "VISUAL", "shape": [3, s, s]}
+                                         for i in range(cfg.num_cameras)},
+                                      "observation.state": {"type": "STATE", "shape": [cfg.max_state_dim]}}
+    assert meta["output_features"] == {"action": {"type": "ACTION", "shape": [cfg.action_dim]}}
+    listing = LISTING.read_text()
+    assert "<FeatureType.VISUAL: 'VISUAL'>" in listing and "<FeatureType.STATE: 'STATE'>" in listing \
+        and "<FeatureType.ACTION: 'ACTION'>" in listing
+    # PaliGemma's LM head is tied to the text embedding; the expert's (another width) is written as zeros
+    stored = load_file(str(path / WEIGHTS))
+    assert torch.equal(stored["model." + HEAD], stored["model." + EMB])
+    expert_head = stored["model.paligemma_with_expert.gemma_expert.lm_head.weight"]
+    assert expert_head.shape == (cfg.vocab_size, cfg.expert.width) and not expert_head.any()
+    with pytest.raises(ValueError, match="layout must be 'lerobot' or 'openpi', got 'hf'"):
+        save_checkpoint(tiny_model, tmp_path / "x", layout="hf")
