@@ -7,7 +7,7 @@ recent states and the reference episodes' lengths; the cache manager, which rebu
 only needs to hear afterwards what was chosen (``Selection``) to slide its window.
 
 The same class serves the in-process ``CacheManager`` (its own candidate matrix) and the vision
-process (a mirror of the window the cache manager publishes in shared memory).
+process (the window the cache manager publishes in shared memory, read in place).
 """
 
 from __future__ import annotations

@@ -93,6 +93,12 @@ class PinnedSlot:
         """True while no write to the slot has started since the pin (reads after use count)."""
         return self.ring._pin_still_valid(self.slot, self._lock_word)
 
+    @property
+    def lock_word(self) -> int:
+        """The slot's seqlock when pinned: compare with ``RingBuffer.seqlocks()`` to check many
+        pins at once (equal: no write to that slot began since the pin)."""
+        return self._lock_word
+
 
 @dataclass
 class ReadStats:
@@ -636,6 +642,31 @@ class RingBuffer:
         locks = self._w[self._hw + C.H_SEQLOCK: self._hw + self.slots * step: step]
         seqs = self._w[self._hw + C.H_SEQ: self._hw + self.slots * step: step].astype(np.int64)
         return np.where(locks & 1, -1, seqs)
+
+    def seqlocks(self) -> np.ndarray:
+        """Every slot's seqlock now (a copy), read after the caller's reads of pinned views are
+        complete: where it equals a pin's ``lock_word``, that pin is still valid (``valid()``
+        for all slots at once, one vectorised read of the headers)."""
+        self._check_open()
+        self._payload.copies_done()
+        self._fence()
+        step = C.SLOT_HEADER // 8
+        return self._w[self._hw + C.H_SEQLOCK: self._hw + self.slots * step: step].astype(np.int64)
+
+    def field_view(self, name: str) -> torch.Tensor:
+        """Field ``name`` of every slot as one ``[slots, *shape]`` tensor, without a copy.
+
+        Slots sit ``stride`` bytes apart in one allocation, so the field of slot s is the field of
+        slot 0 moved by s strides: a reader can compute over all slots at once (the working set's
+        retrieval features, one matrix-vector product) instead of copying them out. Like a pin's
+        views, what it reads counts only for slots whose pins are still valid afterwards."""
+        self._check_open()
+        first = self._payload.views[0][name]
+        step, rem = divmod(int(self._w[C.W_STRIDE]), first.element_size())
+        if rem:   # strides are page (host) or 256-byte (CUDA) multiples: never expected
+            raise RingBufferError(f"ring {self.name!r}: slot stride is not a multiple of field {name!r}'s "
+                                  f"{first.element_size()}-byte elements")
+        return first.as_strided((self.slots, *first.shape), (step, *first.stride()), first.storage_offset())
 
     def pin(self, slot: int, seq: int | None = None) -> PinnedSlot | None:
         """The payload in ``slot`` (sequence ``seq``; None: whatever committed payload is there) as
