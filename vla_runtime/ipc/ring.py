@@ -43,6 +43,7 @@ from .fence import make_fence
 from .layout import SlotLayout, align_up
 
 PAGE = 4096
+SHM_DIR = "/dev/shm"   # where Linux keeps POSIX shared memory segments, as files
 DEFAULT_READ_RETRIES = 16
 
 
@@ -256,6 +257,13 @@ def _open_attached(name: str) -> SharedMemory:
     return shm
 
 
+def _shm_inode(shm: SharedMemory) -> int | None:
+    """The inode of a segment under ``SHM_DIR`` (Linux), None where POSIX shared memory lives elsewhere."""
+    if not os.path.isdir(SHM_DIR):
+        return None
+    return os.fstat(shm._fd).st_ino  # type: ignore[attr-defined]
+
+
 def _segment_nonce(name: str) -> int | None:
     """The creation nonce of the initialised ring the name ``name`` names now (None: none).
 
@@ -263,7 +271,7 @@ def _segment_nonce(name: str) -> int | None:
     lives) instead of mapping the segment, so no resource-tracker traffic is caused.
     """
     try:
-        fd = os.open(os.path.join("/dev/shm", name), os.O_RDONLY)
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY)
     except FileNotFoundError:
         return None
     except OSError:  # no /dev/shm (not Linux): map it instead
@@ -324,6 +332,7 @@ class RingBuffer:
         self._closed = True  # until fully built, so __del__/close of a half-built ring do nothing
         self._shm = shm  # kept for its name (unlink); its own mapping is closed below
         self._map = _map_segment(shm)
+        self._inode = _shm_inode(shm)
         shm.close()
         self._fence = make_fence()
         self.slots = _read_word(self._map, C.W_SLOTS)
@@ -783,6 +792,11 @@ class RingBuffer:
         self._check_open()
         if self.is_owner:
             return False
+        if self._inode is not None:   # one stat (asked before every call): our mapping keeps our inode in use,
+            try:                      # so the name names our segment exactly when it names that inode
+                return os.stat(os.path.join(SHM_DIR, self.name)).st_ino != self._inode
+            except FileNotFoundError:
+                return True
         return _segment_nonce(self.name) != self._nonce
 
     # ---------------------------------------------------------------- lifetime

@@ -23,7 +23,6 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 from torch import Tensor
 
 from ..cache.entry import PreparedEntry
@@ -86,7 +85,7 @@ class WindowSelector:
             self.selector.start_episode(task)
             self.episode_t0 = time.monotonic()
             self.episode_ready = window_state(task, episode, True)
-        self.selector.observe_state(torch.as_tensor(np.asarray(state, dtype=np.float32)))
+        self.selector.observe_state(state)
         if task not in self.episodes:
             return Choice(Selection(request_seq, task, episode, None,
                                     reason=f"unknown task {task!r}: the repository has no reference episodes for it"))
