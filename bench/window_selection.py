@@ -136,10 +136,9 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     report = run(args)
-    text = json.dumps(report, indent=2)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+        args.out.write_text(json.dumps(report, indent=2))
     o, n = report["old"], report["new"]
     print(f"selection per call over {report['calls']} calls: old {o['median_ms']:.3f} ms median "
           f"({o['p90_ms']:.3f} p90), new {n['median_ms']:.3f} ms ({n['p90_ms']:.3f} p90), "

@@ -4,8 +4,9 @@ Two stages, because each signal alone is ambiguous: intermediate ViT features sa
 robot is in the scene (cosine similarity, top T), the recent joint trajectory says *which way*
 it is moving through it (RMS joint-angle distance over the aligned history; with several arms
 the worst arm decides). Search runs only over *prepared* entries (those whose expanded states
-the sliding window has already rebuilt), held in a preallocated ``CandidateMatrix`` so that a
-query is one matrix-vector product and a few small reductions.
+the sliding window has already rebuilt), held in a preallocated ``CandidateMatrix`` (or read in
+place where the vision process finds them, ``Candidates``) so that a query is one matrix-vector
+product and a few small reductions.
 
 Episode-level policy: the first query of an episode picks the top-T reference *episodes* that
 later queries are restricted to (and the sliding window follows). A best similarity below the

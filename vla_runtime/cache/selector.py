@@ -73,6 +73,8 @@ class ReferenceSelector:
         """The robot state at the coming call (joint-history rerank)."""
         # a copy: callers pass views of buffers they reuse, the history must not follow them;
         # numpy, not torch: these few values cost a microsecond per operation there, ten in torch
+        if isinstance(state, Tensor):   # any dtype or device (numpy has no bfloat16)
+            state = state.detach().to("cpu", torch.float32).numpy()
         state = np.array(state, dtype=np.float32).reshape(-1)
         if state.size != self.state_dim:
             raise ValueError(f"state has {state.size} values, the repository's {self.state_dim}")
