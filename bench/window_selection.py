@@ -84,6 +84,7 @@ def run(args: argparse.Namespace) -> dict:
     cpu: dict[str, list[float]] = {"old": [], "new": []}   # this thread's CPU time: what load does not inflate
     found = {"old": 0, "new": 0}
     agree = calls = 0
+    differ: list[dict] = []
     episode = 0
     try:
         for rep in range(args.repeats):
@@ -102,6 +103,11 @@ def run(args: argparse.Namespace) -> dict:
                             cpu[name].append(time.thread_time() - c0)
                         keys = {n: c.selection.match.key if c.found else None for n, c in choices.items()}
                         agree += keys["old"] == keys["new"]
+                        if keys["old"] != keys["new"]:
+                            differ.append({"call": calls, "task": task, "episode": record.episode_id, "index": i,
+                                           **{n: [c.selection.match.key, c.selection.match.similarity,
+                                                  c.selection.match.joint_distance] if c.found else c.reason
+                                              for n, c in choices.items()}})
                         for n in found:
                             found[n] += choices[n].found
                         calls += 1
@@ -123,7 +129,7 @@ def run(args: argparse.Namespace) -> dict:
             "new": {**new, "found": found["new"], "thread_cpu": new_cpu},
             "median_ratio_old_over_new": old["median_ms"] / new["median_ms"],
             "thread_cpu_median_ratio_old_over_new": old_cpu["median_ms"] / new_cpu["median_ms"],
-            "same_choice": agree, "load_average_start": load_start, "load_average_end": os.getloadavg()}
+            "same_choice": agree, "different_choices": differ, "load_average_start": load_start, "load_average_end": os.getloadavg()}
 
 
 def main() -> int:

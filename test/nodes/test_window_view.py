@@ -96,3 +96,21 @@ def test_a_slot_written_after_it_was_taken_in_does_not_score(store):
     assert sims[store[a.key].slot] == pytest.approx(_cos(a, q), abs=ATOL)
     assert view.refresh() == 1 and np.isfinite(view.similarities(q)[store[b.key].slot])
     view.ring.close()
+
+
+def test_an_entry_moved_to_a_slot_taken_in_first_stays_a_candidate(store):
+    """The cache manager drops an entry and prepares it again into a lower slot, and the slot it
+    left gets another entry: taken in slot by slot, the new place comes first, and forgetting the
+    old place must not drop the entry (the copied mirror this view replaced lost it)."""
+    e0, k, e2, x = (ws_entry(("ep", i), 2, i + 1) for i in range(4))
+    store[e0.key], store[k.key], store[e2.key] = e0, k, e2
+    view = _view(store, ["ep"])
+    view.refresh()
+    old_slot = store[k.key].slot
+    del store[e0.key], store[k.key]
+    store[x.key], store[k.key] = x, k
+    assert store[k.key].slot < old_slot and store[x.key].slot == old_slot
+    view.refresh()
+    assert view.pinned(k.key) is not None and view.pinned(k.key).slot == store[k.key].slot
+    assert len(view) == 3 and view.keys[old_slot] == x.key
+    view.ring.close()

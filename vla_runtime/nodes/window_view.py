@@ -45,9 +45,10 @@ class WindowView(EpisodeCodes):
         features = ring.field_view("retrieval")
         if features.device.type != "cpu":
             raise ValueError(f"working set {ring.name!r} lives on {features.device}: selection reads it on the host")
-        # numpy views (no copy): a product and a norm cost a few microseconds less there than in torch
-        self._features = features.view(ring.slots, -1).numpy()     # [slots, F]
-        self._histories = ring.field_view("history").numpy()       # [slots, L, D]
+        # the product and norms in torch, which keeps to the process's thread setting (numpy's BLAS
+        # threads a large product over every core: on a loaded machine that costs more than it saves)
+        self._features = features.view(ring.slots, -1)             # [slots, F], no copy
+        self._histories = ring.field_view("history").numpy()       # [slots, L, D], no copy
         self.feature_dim = int(self._features.shape[1])
         self.task: str | None = None
         self._episodes: frozenset[str] = frozenset()
@@ -92,8 +93,7 @@ class WindowView(EpisodeCodes):
                 continue
             key = (str(meta["episode"]), int(meta["index"]))
             if meta.get("selectable") and key[0] in self._episodes:
-                row = self._features[slot]
-                norm = math.sqrt(float(row @ row))
+                norm = float(torch.linalg.vector_norm(self._features[slot]))
                 if not pin.valid():                         # rewritten while its norm was taken
                     continue
                 self._inv_norm[slot] = 1.0 / max(norm, 1e-12)
@@ -139,13 +139,13 @@ class WindowView(EpisodeCodes):
     def similarities(self, features: Tensor) -> np.ndarray:
         """[slots] cosine similarity of the query to each slot's entry, -inf where a slot holds no
         candidate or was written since its pin (its score may mix two payloads)."""
-        q = features.detach().reshape(-1)
-        q = (q if q.dtype == torch.float32 else q.float()).numpy()
-        sims = self._features @ q                                   # one product over every slot, in place
+        q = features.detach().reshape(-1).to(torch.float32)
+        sims = (self._features @ q).numpy()                         # one product over every slot, in place
         out = self._slot_codes < 0
         out |= self.ring.seqlocks() != self._locks
         # free slots hold whatever they last held (any float, inf and nan included): not scaled
-        np.multiply(sims, self._inv_norm * (1.0 / max(math.sqrt(float(q @ q)), 1e-12)), out=sims, where=~out)
+        scale = 1.0 / max(float(torch.linalg.vector_norm(q)), 1e-12)
+        np.multiply(sims, self._inv_norm * scale, out=sims, where=~out)
         sims[out] = -math.inf
         return sims
 
