@@ -45,9 +45,11 @@ class WindowView(EpisodeCodes):
         features = ring.field_view("retrieval")
         if features.device.type != "cpu":
             raise ValueError(f"working set {ring.name!r} lives on {features.device}: selection reads it on the host")
-        # the product and norms in torch, which keeps to the process's thread setting (numpy's BLAS
-        # threads a large product over every core: on a loaded machine that costs more than it saves)
+        # the product in torch, which keeps to the process's thread setting (numpy's BLAS threads a
+        # large product over every core: on a loaded machine that cost 7x); norms with numpy's
+        # einsum, no BLAS and no torch dispatch (the larger cost at small widths)
         self._features = features.view(ring.slots, -1)             # [slots, F], no copy
+        self._features_np = self._features.numpy()                 # the same memory
         self._histories = ring.field_view("history").numpy()       # [slots, L, D], no copy
         self.feature_dim = int(self._features.shape[1])
         self.task: str | None = None
@@ -93,7 +95,7 @@ class WindowView(EpisodeCodes):
                 continue
             key = (str(meta["episode"]), int(meta["index"]))
             if meta.get("selectable") and key[0] in self._episodes:
-                norm = float(torch.linalg.vector_norm(self._features[slot]))
+                norm = _norm(self._features_np[slot])
                 if not pin.valid():                         # rewritten while its norm was taken
                     continue
                 self._inv_norm[slot] = 1.0 / max(norm, 1e-12)
@@ -144,7 +146,7 @@ class WindowView(EpisodeCodes):
         out = self._slot_codes < 0
         out |= self.ring.seqlocks() != self._locks
         # free slots hold whatever they last held (any float, inf and nan included): not scaled
-        scale = 1.0 / max(float(torch.linalg.vector_norm(q)), 1e-12)
+        scale = 1.0 / max(_norm(q.numpy()), 1e-12)
         np.multiply(sims, self._inv_norm * scale, out=sims, where=~out)
         sims[out] = -math.inf
         return sims
@@ -152,3 +154,8 @@ class WindowView(EpisodeCodes):
     # CandidateSource
     def candidates(self, task: str) -> WindowView | None:
         return self if task == self.task else None
+
+
+def _norm(v: np.ndarray) -> float:
+    """L2 norm of a vector (einsum: no BLAS, so never threaded)."""
+    return math.sqrt(float(np.einsum("i,i->", v, v)))
