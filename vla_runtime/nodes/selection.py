@@ -5,8 +5,9 @@ for it (a process round trip, answered only when the manager is not busy rebuild
 cost 6.6 ms at the smallest model and timed out at 0.5 s on a loaded machine, so the choice is
 made here instead: the episode's retrieval state (``ReferenceSelector``) over the published window
 read in place (``WindowView``: no copy of the window's features), then the chosen entry, still
-pinned as it was scored, is read in place by the Context Cache. What was chosen goes on to the cache manager as a ``Selection`` note, after the fact, so
-it can slide its window while the robot executes; it is never waited for. A window that is not
+pinned as it was scored, is read in place by the Context Cache. What was chosen goes on to the
+cache manager as a ``Selection`` note, after the fact, so it can slide its window while the robot
+executes; it is never waited for. A window that is not
 there, not ready or of another camera layout means a dense call, never a wait.
 
 An episode's first search picks the top-T reference episodes it follows to its end, so it waits
