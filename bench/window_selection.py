@@ -129,7 +129,8 @@ def run(args: argparse.Namespace) -> dict:
             "new": {**new, "found": found["new"], "thread_cpu": new_cpu},
             "median_ratio_old_over_new": old["median_ms"] / new["median_ms"],
             "thread_cpu_median_ratio_old_over_new": old_cpu["median_ms"] / new_cpu["median_ms"],
-            "same_choice": agree, "different_choices": differ, "load_average_start": load_start, "load_average_end": os.getloadavg()}
+            "same_choice": agree, "different_choices": differ,
+            "load_average_start": load_start, "load_average_end": os.getloadavg()}
 
 
 def main() -> int:
