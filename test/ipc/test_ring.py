@@ -548,3 +548,28 @@ def test_the_smallest_ring_and_one_read_attempt_are_accepted_and_less_is_named(n
         RingBuffer.create(name, LAYOUT, slots=0)
     with pytest.raises(ValueError, match="read_retries must be >= 1, got 0"):
         RingBuffer.create(name, LAYOUT, slots=1, read_retries=0)
+
+
+def test_field_view_is_one_field_of_every_slot_in_place_and_seqlocks_check_many_pins(name):
+    """``field_view``: a ``[slots, *shape]`` tensor whose row s is slot s's field, sharing the
+    segment (what the writer commits later shows through it); ``seqlocks`` equals each pin's
+    ``lock_word`` until that slot is written."""
+    with RingBuffer.create(name, LAYOUT, slots=3) as writer, RingBuffer.attach(name, LAYOUT) as reader:
+        for v in range(2):
+            _write(writer, v)
+        kv, state = reader.field_view("kv"), reader.field_view("state")
+        assert kv.shape == (3, 2, 8, 4) and state.shape == (3, 7) and state.dtype == torch.float64
+        pins = [reader.pin(s) for s in range(2)]
+        for s, pin in enumerate(pins):
+            assert kv[s].data_ptr() == pin.views["kv"].data_ptr() and torch.equal(kv[s], pin.views["kv"])
+            assert torch.equal(state[s], pin.views["state"])
+        assert reader.seqlocks()[:2].tolist() == [p.lock_word for p in pins]
+        before = kv[0].clone()
+        _write(writer, 7)                                             # slot 2, then slot 0 rewritten
+        _write(writer, 8)
+        assert not torch.equal(kv[0], before) and torch.equal(kv[0], reader.pin(0).views["kv"])   # no copy was taken
+        locks = reader.seqlocks()
+        assert locks[0] != pins[0].lock_word and locks[1] == pins[1].lock_word
+        assert not pins[0].valid() and pins[1].valid()
+        with pytest.raises(KeyError):
+            reader.field_view("nope")

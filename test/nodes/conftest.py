@@ -3,14 +3,58 @@ with a reference repository built from its episodes, made once per test session.
 
 from __future__ import annotations
 
+import os
+import uuid
+
 import pytest
+import torch
 
 from vla_runtime.cache.builder import BuildConfig, build_repository
+from vla_runtime.cache.entry import PreparedEntry
+from vla_runtime.ipc.layout import SlotLayout
+from vla_runtime.ipc.ring import RingBuffer
+from vla_runtime.models.config import PRESETS
+from vla_runtime.nodes.working_set import working_set_layout
 from vla_runtime.engine.policy import Pi05Policy
 from vla_runtime.io.bags import list_episode_bags, read_episode
 from vla_runtime.commands.demo import DemoSpec, demo_topics, make_demo
 
 CAMS = ("top", "wrist")
+
+# working-set tests without a model: pi05-tiny's shapes, small retrieval features and histories
+WS_CFG = PRESETS["pi05-tiny"]()
+RETRIEVAL, HISTORY = (4, 6), (3, 2)
+
+
+def ws_entry(key, cams: int, seed: int, masks: bool = True, k: int = 8, groups: int = 2, slots: int | None = None,
+             retrieval: torch.Tensor | None = None) -> PreparedEntry:
+    """An entry recorded with ``cams`` cameras present out of ``slots`` camera slots (the robot's);
+    ``retrieval``: its retrieval features (else random)."""
+    g = torch.Generator().manual_seed(seed)
+    pv = cams * WS_CFG.num_image_tokens
+    shape = (WS_CFG.vlm.depth - 1, pv, WS_CFG.vlm.width)
+    slots = WS_CFG.num_cameras if slots is None else slots
+    mask = torch.tensor([True] * cams + [False] * (slots - cams))
+    m = torch.randint(0, WS_CFG.expert.mlp_dim, (groups, WS_CFG.expert.depth, k), generator=g) if masks else None
+    feats = torch.randn(RETRIEVAL, generator=g) if retrieval is None else retrieval
+    return PreparedEntry(key, torch.randn(shape, generator=g), torch.randn(shape, generator=g), mask, m,
+                         feats, torch.randn(HISTORY, generator=g))
+
+
+def ws_layout() -> SlotLayout:
+    return working_set_layout(WS_CFG, mask_groups=2, mask_size=8, dtype=torch.float32, retrieval_shape=RETRIEVAL,
+                              history_shape=HISTORY)
+
+
+def new_ws_ring(slots: int) -> RingBuffer:
+    return RingBuffer.create(f"vla_ws_{os.getpid()}_{uuid.uuid4().hex[:6]}", ws_layout(), slots=slots)
+
+
+@pytest.fixture
+def ws_ring():
+    r = new_ws_ring(3)
+    yield r
+    r.close()
 
 
 @pytest.fixture(scope="session")

@@ -151,6 +151,72 @@ def test_a_late_note_of_the_episode_before_does_not_take_the_window_back(publish
     assert stage.worker.episodes_started == started + 1 and stage.worker.episode == 3
 
 
+def test_in_place_selection_chooses_what_the_copied_window_chooses(published):
+    """The robot replays a reference episode while the window slides: at every call, selection
+    in place over the working set picks what the same rules pick over a copy of that window (the
+    cache manager's own candidate matrix, which holds exactly the window's entries)."""
+    from vla_runtime.cache.selector import ReferenceSelector
+
+    stage, repo, cfg, rings = published
+    manager = stage.worker.manager
+    task = repo.tasks()[0]
+    lengths = {t: {r.episode_id: r.num_calls for r in repo.episodes(t)} for t in repo.tasks()}
+    state_dim = int(repo.call_layout["state_history"][1])
+    copied = ReferenceSelector(cfg.retrieval, manager, lengths, state_dim)
+    stage.begin(task, 0)
+    copied.start_episode(task)
+    selector = WindowSelector(repo, cfg.retrieval, rings.working_set, first_search_wait_s=600.0)
+    eid = repo.episodes(task)[-1].episode_id
+    try:
+        for i in range(repo.episodes(task)[-1].num_calls):
+            call = repo.load_call(eid, i)
+            state = call.state_history[-1].numpy()
+            choice = selector.choose(i, task, 0, call.retrieval, state)
+            copied.observe_state(torch.as_tensor(state))
+            want = copied.select(call.retrieval)
+            assert choice.found and want is not None, (i, choice.reason, copied.reason)
+            got = choice.selection.match
+            assert got.key == want.key and choice.selection.candidates == tuple(copied.candidate_episodes())
+            # float32 cosines from two orders of the same arithmetic (normalise then multiply,
+            # against multiply then scale): a few ulps apart; joint distances: the same numbers
+            assert got.similarity == pytest.approx(want.similarity, abs=1e-5)
+            assert got.joint_distance == pytest.approx(want.joint_distance, rel=1e-6)
+            stage.follow(choice.selection)
+            stage.upkeep()
+    finally:
+        selector.close()
+
+
+def test_a_slot_rewritten_between_scoring_and_validation_means_a_dense_call(published, monkeypatch):
+    """The cache manager rewrites the chosen entry's slot after the scores were computed from it
+    and before the choice is returned: the call runs dense, naming the entry."""
+    from vla_runtime.cache.selector import ReferenceSelector
+
+    stage, repo, cfg, rings = published
+    manager = stage.worker.manager
+    task = repo.tasks()[0]
+    stage.begin(task, 0)
+    call = repo.load_call(repo.episodes(task)[0].episode_id, 1)
+    real = ReferenceSelector.select
+
+    def rewritten(self, features):
+        match = real(self, features)
+        if match is not None:     # the same entry prepared again: its slot gets a new sequence
+            manager.entries[match.key] = _rebuilt(manager, repo, match.key)
+        return match
+
+    selector = WindowSelector(repo, cfg.retrieval, rings.working_set, first_search_wait_s=600.0)
+    try:
+        monkeypatch.setattr(ReferenceSelector, "select", rewritten)
+        choice = selector.choose(0, task, 0, call.retrieval, call.state_history[-1].numpy())
+        assert not choice.found and choice.pin is None
+        assert choice.reason == f"entry {selector.selector.last_match.key} replaced before it was read"
+        monkeypatch.setattr(ReferenceSelector, "select", real)
+        assert selector.choose(1, task, 0, call.retrieval, call.state_history[-1].numpy()).found  # taken in again
+    finally:
+        selector.close()
+
+
 def _rebuilt(manager: CacheManager, repo: ReferenceRepository, key):
     """Entry ``key`` as the cache manager prepares it (its states, retrieval features, history)."""
     call = repo.load_call(*key)

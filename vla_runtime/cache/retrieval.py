@@ -4,8 +4,9 @@ Two stages, because each signal alone is ambiguous: intermediate ViT features sa
 robot is in the scene (cosine similarity, top T), the recent joint trajectory says *which way*
 it is moving through it (RMS joint-angle distance over the aligned history; with several arms
 the worst arm decides). Search runs only over *prepared* entries (those whose expanded states
-the sliding window has already rebuilt), held in a preallocated ``CandidateMatrix`` so that a
-query is one matrix-vector product and a few small reductions.
+the sliding window has already rebuilt), held in a preallocated ``CandidateMatrix`` (or read in
+place where the vision process finds them, ``Candidates``) so that a query is one matrix-vector
+product and a few small reductions.
 
 Episode-level policy: the first query of an episode picks the top-T reference *episodes* that
 later queries are restricted to (and the sliding window follows). A best similarity below the
@@ -25,7 +26,7 @@ episode runs dense, so the policy itself finishes or fails as it would without t
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -105,7 +106,55 @@ class RetrievalStats:
     last_similarity: float = float("nan")
 
 
-class CandidateMatrix:
+class EpisodeCodes:
+    """Stable integer codes of episode ids, so that episode-level reductions over candidate rows
+    stay vectorised (a row's code; -1: the row holds no candidate)."""
+
+    def __init__(self) -> None:
+        self._code_of: dict[str, int] = {}
+        self.episode_of_code: list[str] = []
+
+    def code(self, episode_id: str) -> int:
+        """Stable integer code of an episode (assigned on first use)."""
+        if episode_id not in self._code_of:
+            self._code_of[episode_id] = len(self.episode_of_code)
+            self.episode_of_code.append(episode_id)
+        return self._code_of[episode_id]
+
+
+class Candidates(Protocol):
+    """What a query reads of a task's prepared candidates, row by row.
+
+    Two kinds implement it: ``CandidateMatrix`` (packed local rows: the repository, the in-process
+    cache manager) and the vision process's ``WindowView`` (one row per working-set slot, read in
+    place; a row without a candidate has episode code -1 and similarity -inf). ``Retriever``'s
+    rules run unchanged over either.
+    """
+
+    feature_dim: int
+    keys: Sequence[Key | None]          # per row
+    episode_of_code: list[str]
+
+    @property
+    def history_len(self) -> int: ...
+
+    @property
+    def state_dim(self) -> int: ...
+
+    @property
+    def episode_code_np(self) -> np.ndarray: ...      # [rows] int64, -1: no candidate
+
+    @property
+    def histories_np(self) -> np.ndarray: ...         # [rows, L, D] float32
+
+    def __len__(self) -> int: ...                      # candidates held (0: none to search)
+
+    def code(self, episode_id: str) -> int: ...
+
+    def similarities(self, features: Tensor) -> np.ndarray: ...   # [rows] cosine, -inf: not eligible
+
+
+class CandidateMatrix(EpisodeCodes):
     """Prepared candidates of one task in preallocated rows, kept packed: rows ``[0, len)`` hold
     the candidates, so a query multiplies only those (a removed row is filled with the last one).
 
@@ -126,8 +175,7 @@ class CandidateMatrix:
         self._codes_by_row = torch.full((capacity,), -1, dtype=torch.int64, device=device)
         self.keys: list[Key] = []
         self._slot: dict[Key, int] = {}
-        self._codes: dict[str, int] = {}
-        self.episode_of_code: list[str] = []
+        super().__init__()
 
     @property
     def device(self) -> torch.device:
@@ -173,12 +221,11 @@ class CandidateMatrix:
     def __contains__(self, key: Hashable) -> bool:
         return key in self._slot
 
-    def code(self, episode_id: str) -> int:
-        """Stable integer code of an episode within this matrix (assigned on first use)."""
-        if episode_id not in self._codes:
-            self._codes[episode_id] = len(self.episode_of_code)
-            self.episode_of_code.append(episode_id)
-        return self._codes[episode_id]
+    def similarities(self, features: Tensor) -> np.ndarray:
+        """[len] cosine similarity of the query to each candidate (rows are unit vectors), float32
+        numpy: the one product runs where the matrix lives, the rest of the query on the host."""
+        q = features.detach().reshape(-1).to(self.device, torch.float32)
+        return (self.features @ q).div_(q.norm().clamp_min(1e-12)).cpu().numpy()
 
     def put(self, key: Key, feature: Tensor, history: Tensor) -> int:
         """Insert or overwrite one prepared entry; returns its row."""
@@ -236,7 +283,7 @@ class CandidateMatrix:
 class CandidateSource(Protocol):
     """Where the retriever finds the prepared entries of a task (None = unknown task)."""
 
-    def candidates(self, task: str) -> CandidateMatrix | None: ...
+    def candidates(self, task: str) -> Candidates | None: ...
 
 
 class TaskPacks:
@@ -316,13 +363,6 @@ class Retriever:
             self.stats.hits += 1
         return match
 
-    @staticmethod
-    def _similarities(pack: CandidateMatrix, features: Tensor) -> np.ndarray:
-        """[len] cosine similarity of the query to each candidate (rows are unit vectors), float32
-        numpy: the one product runs where the matrix lives, the rest of the query on the host."""
-        q = features.detach().reshape(-1).to(pack.device, torch.float32)
-        return (pack.features @ q).div_(q.norm().clamp_min(1e-12)).cpu().numpy()
-
     def _query(self, features: Tensor, state_history: Tensor) -> Match | None:
         if self.stalled or self.fallback:
             return None                     # latched for the episode; reason already set (stall: till reset)
@@ -347,7 +387,7 @@ class Retriever:
         if len(pack) == 0:
             self.reason = "no prepared candidates"
             return None
-        sims = self._similarities(pack, features)                 # -inf from here on: not eligible
+        sims = pack.similarities(features)                         # -inf from here on: not eligible
         sims[np.isnan(sims)] = -math.inf
         if self._episodes:
             codes = [pack.code(e) for e in self._episodes]
@@ -386,7 +426,10 @@ class Retriever:
 
         cur = state_history[-cfg.history_len:].detach().to("cpu", torch.float32).numpy()
         diff2 = np.square(pack.histories_np[idx, -cfg.history_len:] - cur)       # [k, L, D]
-        dist = np.stack([np.sqrt(diff2[:, :, a:b].mean(axis=(1, 2))) for a, b in arms], axis=1).max(axis=1)
+        if len(arms) == 1:   # the same numbers as the general case below, without its stack
+            dist = np.sqrt(diff2[:, :, arms[0][0]:arms[0][1]].mean(axis=(1, 2)))
+        else:
+            dist = np.stack([np.sqrt(diff2[:, :, a:b].mean(axis=(1, 2))) for a, b in arms], axis=1).max(axis=1)
         j = int(dist.argmin())                                     # ties: the visually closer one
         episode_id, index = pack.keys[int(idx[j])]
         match = Match(episode_id, index, float(values[j]), float(dist[j]))

@@ -7,7 +7,7 @@ recent states and the reference episodes' lengths; the cache manager, which rebu
 only needs to hear afterwards what was chosen (``Selection``) to slide its window.
 
 The same class serves the in-process ``CacheManager`` (its own candidate matrix) and the vision
-process (a mirror of the window the cache manager publishes in shared memory).
+process (the window the cache manager publishes in shared memory, read in place).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -56,7 +57,7 @@ class ReferenceSelector:
         self.restarted = False
         self.retriever = Retriever(cfg, source, on_stall=self._on_stall)
         self.task: str | None = None
-        self.history: list[Tensor] = []
+        self.history: list[np.ndarray] = []
         self.last_match: Match | None = None
 
     def start_episode(self, task: str) -> None:
@@ -68,12 +69,15 @@ class ReferenceSelector:
         self.last_match = None
         self.restarted = False
 
-    def observe_state(self, state: Tensor) -> None:
+    def observe_state(self, state: Tensor | np.ndarray) -> None:
         """The robot state at the coming call (joint-history rerank)."""
-        # a copy: callers pass views of buffers they reuse, the history must not follow them
-        state = torch.as_tensor(state, dtype=torch.float32).reshape(-1).clone()
-        if state.numel() != self.state_dim:
-            raise ValueError(f"state has {state.numel()} values, the repository's {self.state_dim}")
+        # a copy: callers pass views of buffers they reuse, the history must not follow them;
+        # numpy, not torch: these few values cost a microsecond per operation there, ten in torch
+        if isinstance(state, Tensor):   # any dtype or device (numpy has no bfloat16)
+            state = state.detach().to("cpu", torch.float32).numpy()
+        state = np.array(state, dtype=np.float32).reshape(-1)
+        if state.size != self.state_dim:
+            raise ValueError(f"state has {state.size} values, the repository's {self.state_dim}")
         self.history.append(state)
         del self.history[:-self.cfg.history_len]
 
@@ -83,7 +87,7 @@ class ReferenceSelector:
         if not self.history:
             raise RuntimeError("observe_state() must be called before each call")
         h = self.history[-n:]
-        return torch.stack([h[0]] * (n - len(h)) + h)
+        return torch.from_numpy(np.stack([h[0]] * (n - len(h)) + h))
 
     def select(self, features: Tensor) -> Match | None:
         """The reference for this call, or None (dense, ``reason`` says why)."""

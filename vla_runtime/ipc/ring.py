@@ -43,6 +43,7 @@ from .fence import make_fence
 from .layout import SlotLayout, align_up
 
 PAGE = 4096
+SHM_DIR = "/dev/shm"   # where Linux keeps POSIX shared memory segments, as files
 DEFAULT_READ_RETRIES = 16
 
 
@@ -92,6 +93,12 @@ class PinnedSlot:
     def valid(self) -> bool:
         """True while no write to the slot has started since the pin (reads after use count)."""
         return self.ring._pin_still_valid(self.slot, self._lock_word)
+
+    @property
+    def lock_word(self) -> int:
+        """The slot's seqlock when pinned: compare with ``RingBuffer.seqlocks()`` to check many
+        pins at once (equal: no write to that slot began since the pin)."""
+        return self._lock_word
 
 
 @dataclass
@@ -250,6 +257,13 @@ def _open_attached(name: str) -> SharedMemory:
     return shm
 
 
+def _shm_inode(shm: SharedMemory) -> int | None:
+    """The inode of a segment under ``SHM_DIR`` (Linux), None where POSIX shared memory lives elsewhere."""
+    if not os.path.isdir(SHM_DIR):
+        return None
+    return os.fstat(shm._fd).st_ino  # type: ignore[attr-defined]
+
+
 def _segment_nonce(name: str) -> int | None:
     """The creation nonce of the initialised ring the name ``name`` names now (None: none).
 
@@ -257,7 +271,7 @@ def _segment_nonce(name: str) -> int | None:
     lives) instead of mapping the segment, so no resource-tracker traffic is caused.
     """
     try:
-        fd = os.open(os.path.join("/dev/shm", name), os.O_RDONLY)
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY)
     except FileNotFoundError:
         return None
     except OSError:  # no /dev/shm (not Linux): map it instead
@@ -318,6 +332,7 @@ class RingBuffer:
         self._closed = True  # until fully built, so __del__/close of a half-built ring do nothing
         self._shm = shm  # kept for its name (unlink); its own mapping is closed below
         self._map = _map_segment(shm)
+        self._inode = _shm_inode(shm)
         shm.close()
         self._fence = make_fence()
         self.slots = _read_word(self._map, C.W_SLOTS)
@@ -637,6 +652,31 @@ class RingBuffer:
         seqs = self._w[self._hw + C.H_SEQ: self._hw + self.slots * step: step].astype(np.int64)
         return np.where(locks & 1, -1, seqs)
 
+    def seqlocks(self) -> np.ndarray:
+        """Every slot's seqlock now (a copy), read after the caller's reads of pinned views are
+        complete: where it equals a pin's ``lock_word``, that pin is still valid (``valid()``
+        for all slots at once, one vectorised read of the headers)."""
+        self._check_open()
+        self._payload.copies_done()
+        self._fence()
+        step = C.SLOT_HEADER // 8
+        return self._w[self._hw + C.H_SEQLOCK: self._hw + self.slots * step: step].astype(np.int64)
+
+    def field_view(self, name: str) -> torch.Tensor:
+        """Field ``name`` of every slot as one ``[slots, *shape]`` tensor, without a copy.
+
+        Slots sit ``stride`` bytes apart in one allocation, so the field of slot s is the field of
+        slot 0 moved by s strides: a reader can compute over all slots at once (the working set's
+        retrieval features, one matrix-vector product) instead of copying them out. Like a pin's
+        views, what it reads counts only for slots whose pins are still valid afterwards."""
+        self._check_open()
+        first = self._payload.views[0][name]
+        step, rem = divmod(int(self._w[C.W_STRIDE]), first.element_size())
+        if rem:   # strides are page (host) or 256-byte (CUDA) multiples: never expected
+            raise RingBufferError(f"ring {self.name!r}: slot stride is not a multiple of field {name!r}'s "
+                                  f"{first.element_size()}-byte elements")
+        return first.as_strided((self.slots, *first.shape), (step, *first.stride()), first.storage_offset())
+
     def pin(self, slot: int, seq: int | None = None) -> PinnedSlot | None:
         """The payload in ``slot`` (sequence ``seq``; None: whatever committed payload is there) as
         zero-copy views, or None when the slot is empty, being written or holds another sequence.
@@ -752,6 +792,11 @@ class RingBuffer:
         self._check_open()
         if self.is_owner:
             return False
+        if self._inode is not None:   # one stat (asked before every call): our mapping keeps our inode in use,
+            try:                      # so the name names our segment exactly when it names that inode
+                return os.stat(os.path.join(SHM_DIR, self.name)).st_ino != self._inode
+            except FileNotFoundError:
+                return True
         return _segment_nonce(self.name) != self._nonce
 
     # ---------------------------------------------------------------- lifetime

@@ -3,10 +3,11 @@
 Between the vision tower and the prefill a call needs its reference. Asking the cache manager
 for it (a process round trip, answered only when the manager is not busy rebuilding entries)
 cost 6.6 ms at the smallest model and timed out at 0.5 s on a loaded machine, so the choice is
-made here instead: the episode's retrieval state (``ReferenceSelector``) over a mirror of the
-published window (``WindowMirror``), then the chosen entry is pinned in place for the Context
-Cache. What was chosen goes on to the cache manager as a ``Selection`` note, after the fact, so
-it can slide its window while the robot executes; it is never waited for. A window that is not
+made here instead: the episode's retrieval state (``ReferenceSelector``) over the published window
+read in place (``WindowView``: no copy of the window's features), then the chosen entry, still
+pinned as it was scored, is read in place by the Context Cache. What was chosen goes on to the
+cache manager as a ``Selection`` note, after the fact, so it can slide its window while the robot
+executes; it is never waited for. A window that is not
 there, not ready or of another camera layout means a dense call, never a wait.
 
 An episode's first search picks the top-T reference episodes it follows to its end, so it waits
@@ -23,7 +24,6 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 from torch import Tensor
 
 from ..cache.entry import PreparedEntry
@@ -31,7 +31,8 @@ from ..cache.repository import ReferenceRepository
 from ..cache.retrieval import RetrievalConfig
 from ..cache.selector import ReferenceSelector, Selection
 from ..ipc.ring import PinnedSlot
-from .working_set import WindowMirror, WorkingSetReader, current_reader, window_state
+from .window_view import WindowView
+from .working_set import WorkingSetReader, current_reader, pinned_entry, window_state
 
 @dataclass
 class Choice:
@@ -72,7 +73,7 @@ class WindowSelector:
             raise ValueError(f"repository {repo.root} holds no episodes yet")
         self.state_dim = int(layout["state_history"][1])
         self.reader: WorkingSetReader | None = None
-        self.mirror: WindowMirror | None = None
+        self.view: WindowView | None = None
         self._had_window = False
         self.selector = ReferenceSelector(retrieval, _NoSource(), self.episodes, self.state_dim)
         self.episode_key: tuple[str, int] | None = None
@@ -85,17 +86,17 @@ class WindowSelector:
             self.selector.start_episode(task)
             self.episode_t0 = time.monotonic()
             self.episode_ready = window_state(task, episode, True)
-        self.selector.observe_state(torch.as_tensor(np.asarray(state, dtype=np.float32)))
+        self.selector.observe_state(state)
         if task not in self.episodes:
             return Choice(Selection(request_seq, task, episode, None,
                                     reason=f"unknown task {task!r}: the repository has no reference episodes for it"))
         down = self._attach()
         if down:
             return Choice(Selection(request_seq, task, episode, None, reason=down))
-        assert self.mirror is not None and self.reader is not None
-        self.mirror.follow_task(task, self.episodes[task])
-        self.mirror.refresh()
-        if not self.selector.candidate_episodes() and self.mirror.window != self.episode_ready:
+        assert self.view is not None
+        self.view.follow_task(task, self.episodes[task])
+        self.view.refresh()
+        if not self.selector.candidate_episodes() and self.view.window != self.episode_ready:
             if time.monotonic() - self.episode_t0 < self.first_search_wait_s:
                 return Choice(Selection(request_seq, task, episode, None,
                                         reason=f"initial window still being prepared (the episode's first search "
@@ -108,31 +109,29 @@ class WindowSelector:
         sel = self.selector.selection(request_seq, episode)
         if match is None:
             return Choice(sel)
-        where = self.mirror.location(match.key)
-        pinned = None if where is None else self.reader.pin_entry(*where)
-        if pinned is None:   # left the window between the refresh and now
+        pin = self.view.pinned(match.key)
+        if pin is None or not pin.valid():   # written since it was taken in: its score and history may be torn
             return Choice(Selection(request_seq, task, episode, None, sel.candidates,
                                     f"entry {match.key} replaced before it was read"))
-        entry, pin = pinned
-        return Choice(sel, entry, pin, *where)
+        return Choice(sel, pinned_entry(pin), pin, pin.slot, pin.seq)
 
     def _attach(self) -> str:
         """Attach to (or re-attach to a restarted cache manager's) working set: '' when there is
         one to select from, else why the call runs dense."""
         reader = current_reader(self.reader, self.name)
         if reader is None:
-            self.reader = self.mirror = None
+            self.reader = self.view = None
             return ("cache manager not running (working set gone)" if self._had_window else
                     "no working set yet (cache manager starting)")
         if reader is not self.reader:
             try:
-                self.mirror = WindowMirror(reader.ring)
+                self.view = WindowView(reader.ring)
             except ValueError as e:
                 reader.ring.close()
-                self.reader = self.mirror = None
+                self.reader = self.view = None
                 return f"working set unusable: {e}"
             self.reader = reader
-            self.selector.retriever.source = self.mirror
+            self.selector.retriever.source = self.view
             self._had_window = True
         return ""
 
@@ -143,12 +142,12 @@ class WindowSelector:
                 "fallbacks": str(st.fallbacks), "stalls": str(st.stalls), "past_end": str(st.past_end),
                 "last_similarity": f"{st.last_similarity:.4f}", "torn_references": str(self.torn),
                 "partial_first_searches": str(self.partial_first_searches),
-                "window_entries": str(0 if self.mirror is None else len(self.mirror))}
+                "window_entries": str(0 if self.view is None else len(self.view))}
 
     def close(self) -> None:
         if self.reader is not None:
             self.reader.ring.close()
-            self.reader = self.mirror = None
+            self.reader = self.view = None
 
 
 class _NoSource:

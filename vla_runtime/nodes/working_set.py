@@ -10,21 +10,19 @@ names an entry as "slot s holds sequence n": finding another sequence there (the
 replaced since) means that call runs dense, which is always correct.
 
 Why the window is published rather than asked for: reference selection runs in the process that
-needs the answer (``WindowMirror`` is its view of the window), so no call ever waits for the cache
-manager, which may be busy rebuilding entries or gone.
+needs the answer (``window_view.WindowView`` reads the window in place), so no call ever waits for
+the cache manager, which may be busy rebuilding entries or gone.
 """
 
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterable, Iterator, MutableMapping
+from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from ..cache.entry import EntryKey, PreparedEntry
-from ..cache.retrieval import CandidateMatrix
 from ..ipc.layout import FieldSpec, SlotLayout
 from ..ipc.ring import PinnedSlot, RingBuffer, RingBufferError
 from ..models.config import Pi05Config
@@ -131,7 +129,7 @@ class SharedEntryStore(MutableMapping[EntryKey, SharedEntry]):
 
     def __delitem__(self, key: EntryKey) -> None:
         slot = self._where.pop(key).slot
-        self.ring.clear_slot(slot)   # readers and the selectors' mirrors drop it from now on
+        self.ring.clear_slot(slot)   # readers and the selectors' views drop it from now on
         self._free.append(slot)
 
     def __iter__(self) -> Iterator[EntryKey]:
@@ -180,84 +178,3 @@ def current_reader(reader: WorkingSetReader | None, name: str) -> WorkingSetRead
         return WorkingSetReader(RingBuffer.attach(name, RingBuffer.peek_layout(name)))
     except (RingBufferError, OSError):   # asked again every call
         return None
-
-
-class WindowMirror:
-    """The published window as a ``CandidateSource``: a local candidate matrix kept in step with
-    the working set by sequence numbers, so selection costs a matrix-vector product and a read of
-    one word per slot, plus a copy of only the entries that changed since the last call.
-
-    Only entries of the current task's reference episodes (``follow_task``) are candidates, so a
-    window still holding another task's entries can never serve this one. ``window`` is the
-    state the cache manager last published for its window (``window_state``).
-    """
-
-    def __init__(self, ring: RingBuffer):
-        self.ring = ring
-        if "retrieval" not in {f.name for f in ring.layout.fields}:
-            raise ValueError(f"working set {ring.name!r} publishes no retrieval features (an older cache manager?)")
-        rf, hf = ring.layout.field("retrieval"), ring.layout.field("history")
-        self.matrix = CandidateMatrix(ring.slots, int(torch.Size(rf.shape).numel()), hf.shape[0], hf.shape[1])
-        self.task: str | None = None
-        self._episodes: frozenset[str] = frozenset()
-        self.window: dict | None = None
-        self._seen = [-1] * ring.slots                      # sequence last looked at, per slot
-        self._at: dict[EntryKey, tuple[int, int]] = {}      # candidate -> (slot, seq)
-        self._key_of: list[EntryKey | None] = [None] * ring.slots
-
-    def follow_task(self, task: str, episodes: Iterable[str]) -> None:
-        """Candidates from now on: the prepared entries of ``episodes`` (the task's references)."""
-        episodes = frozenset(episodes)
-        if task != self.task or episodes != self._episodes:
-            self.task, self._episodes = task, episodes
-            self.matrix.clear()
-            self._at.clear()
-            self._seen = [-1] * self.ring.slots
-            self._key_of = [None] * self.ring.slots
-
-    def refresh(self) -> int:
-        """Bring the local matrix in step with the working set; returns the entries copied in."""
-        copied = 0
-        seqs = self.ring.slot_seqs()
-        for slot in np.flatnonzero(seqs != np.asarray(self._seen)).tolist():
-            seq = int(seqs[slot])
-            self._forget(slot)
-            if seq < 0:
-                self._seen[slot] = seq
-                continue
-            pin = self.ring.pin(slot, seq)
-            if pin is None or not isinstance(pin.meta, dict):
-                continue                                    # being rewritten: looked at again next call
-            meta = pin.meta
-            if "window" in meta:                            # the window's state, not an entry
-                self.window, self._seen[slot] = meta["window"], seq
-                continue
-            key = (str(meta["episode"]), int(meta["index"]))
-            if meta.get("selectable") and key[0] in self._episodes:
-                self.matrix.put(key, pin.views["retrieval"], pin.views["history"])
-                if not pin.valid():                         # rewritten during the copy: not a candidate
-                    self.matrix.remove(key)
-                    continue
-                self._at[key], self._key_of[slot] = (slot, seq), key
-                copied += 1
-            self._seen[slot] = seq
-        return copied
-
-    def _forget(self, slot: int) -> None:
-        key = self._key_of[slot]
-        if key is not None:
-            self._key_of[slot] = None
-            self._at.pop(key, None)
-            if key in self.matrix:
-                self.matrix.remove(key)
-
-    def location(self, key: EntryKey) -> tuple[int, int] | None:
-        """(slot, seq) of a candidate, as last seen."""
-        return self._at.get(key)
-
-    def __len__(self) -> int:
-        return len(self._at)
-
-    # CandidateSource
-    def candidates(self, task: str) -> CandidateMatrix | None:
-        return self.matrix if task == self.task else None

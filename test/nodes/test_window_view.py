@@ -1,0 +1,116 @@
+"""Selection's in-place view of the working set: which slots are candidates, scores computed from
+the shared memory itself with per-slot norms that follow each slot's sequence, and a slot written
+since it was taken in never scores."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from vla_runtime.ipc.ring import RingBuffer
+from vla_runtime.nodes.window_view import WindowView
+from vla_runtime.nodes.working_set import SharedEntryStore
+
+from .conftest import new_ws_ring, ws_entry
+
+# float32 dot products of 24 terms against the float64 cosine: a few ulps of 1 at most
+ATOL = 1e-6
+
+
+@pytest.fixture
+def store():
+    ring = new_ws_ring(6)
+    yield SharedEntryStore(ring)
+    ring.close()
+
+
+def _view(store: SharedEntryStore, episodes) -> WindowView:
+    view = WindowView(RingBuffer.attach(store.ring.name, store.ring.layout))
+    view.follow_task("task", episodes)
+    return view
+
+
+def _cos(entry, q: torch.Tensor) -> float:
+    a, b = entry.retrieval.reshape(-1).double(), q.reshape(-1).double()
+    return float(a @ b / (a.norm() * b.norm()))
+
+
+def test_the_view_follows_the_window_by_sequence_numbers(store):
+    """Only the current task's episodes are candidates, an entry is taken in once, an entry that
+    leaves stops scoring at once, and scores are cosines read from the slots themselves."""
+    a, b, other = ws_entry(("ep-a", 0), 2, 1), ws_entry(("ep-b", 1), 2, 2), ws_entry(("ep-x", 0), 2, 3)
+    store[a.key], store[b.key], store[other.key] = a, b, other
+    view = _view(store, ["ep-a", "ep-b"])                  # ep-x belongs to another task
+    assert view.refresh() == 2 and len(view) == 2 and view.refresh() == 0   # nothing changed: nothing taken in
+    assert view.candidates("task") is view and view.candidates("another task") is None
+    q = torch.randn(4, 6, generator=torch.Generator().manual_seed(9))
+    sims = view.similarities(q)
+    sa, sb = store[a.key].slot, store[b.key].slot
+    np.testing.assert_allclose(sims[[sa, sb]], [_cos(a, q), _cos(b, q)], rtol=0, atol=ATOL)
+    assert np.isneginf(np.delete(sims, [sa, sb])).all()     # ep-x's slot and the empty ones
+    assert view.keys[sa] == a.key and np.array_equal(view.histories_np[sa], a.state_history.numpy())
+    assert view.pinned(b.key).slot == sb and view.pinned(b.key).seq == store[b.key].seq
+    del store[a.key]
+    assert view.refresh() == 0 and len(view) == 1 and view.pinned(a.key) is None
+    assert np.isneginf(view.similarities(q)[sa])
+    c = ws_entry(("ep-a", 2), 2, 4)
+    store[c.key] = c                                        # reuses a's slot with a new sequence
+    assert store[c.key].slot == sa and view.refresh() == 1 and view.pinned(c.key).slot == sa
+    assert view.similarities(q)[sa] == pytest.approx(_cos(c, q), abs=ATOL)
+    view.ring.close()
+
+
+def test_a_slot_whose_sequence_changed_gets_its_norm_recomputed(store):
+    """The inverse norm is kept per sequence, not per slot or key: the same entry re-prepared
+    into the same slot with features of another length scores with its new norm."""
+    g = torch.Generator().manual_seed(5)
+    first = ws_entry(("ep-a", 0), 2, 1, retrieval=torch.randn(4, 6, generator=g))
+    store[first.key] = first
+    view = _view(store, ["ep-a"])
+    q = torch.randn(4, 6, generator=g)
+    assert view.refresh() == 1
+    slot = store[first.key].slot
+    assert view.similarities(q)[slot] == pytest.approx(_cos(first, q), abs=ATOL)
+    again = ws_entry(first.key, 2, 2, retrieval=40.0 * torch.randn(4, 6, generator=g))
+    store[again.key] = again                                # same key, same slot, a new sequence
+    assert store[again.key].slot == slot and view.refresh() == 1
+    assert view.similarities(q)[slot] == pytest.approx(_cos(again, q), abs=ATOL)
+    view.ring.close()
+
+
+def test_a_slot_written_after_it_was_taken_in_does_not_score(store):
+    """The product reads the slots as they are now: a slot rewritten since its pin (not yet taken
+    in again) may hold a mix of two payloads, so it scores -inf until the next refresh."""
+    a, b = ws_entry(("ep-a", 0), 2, 1), ws_entry(("ep-a", 1), 2, 2)
+    store[a.key], store[b.key] = a, b
+    view = _view(store, ["ep-a"])
+    q = torch.randn(4, 6, generator=torch.Generator().manual_seed(3))
+    view.refresh()
+    pin = view.pinned(b.key)
+    store[b.key] = ws_entry(b.key, 2, 7)                    # the cache manager rewrites b's slot
+    sims = view.similarities(q)
+    assert not pin.valid() and math.isinf(sims[pin.slot]) and sims[pin.slot] < 0
+    assert sims[store[a.key].slot] == pytest.approx(_cos(a, q), abs=ATOL)
+    assert view.refresh() == 1 and np.isfinite(view.similarities(q)[store[b.key].slot])
+    view.ring.close()
+
+
+def test_an_entry_moved_to_a_slot_taken_in_first_stays_a_candidate(store):
+    """The cache manager drops an entry and prepares it again into a lower slot, and the slot it
+    left gets another entry: taken in slot by slot, the new place comes first, and forgetting the
+    old place must not drop the entry (the copied mirror this view replaced lost it)."""
+    e0, k, e2, x = (ws_entry(("ep", i), 2, i + 1) for i in range(4))
+    store[e0.key], store[k.key], store[e2.key] = e0, k, e2
+    view = _view(store, ["ep"])
+    view.refresh()
+    old_slot = store[k.key].slot
+    del store[e0.key], store[k.key]
+    store[x.key], store[k.key] = x, k
+    assert store[k.key].slot < old_slot and store[x.key].slot == old_slot
+    view.refresh()
+    assert view.pinned(k.key) is not None and view.pinned(k.key).slot == store[k.key].slot
+    assert len(view) == 3 and view.keys[old_slot] == x.key
+    view.ring.close()

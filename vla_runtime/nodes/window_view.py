@@ -1,0 +1,161 @@
+"""Selection's view of the published window, read in place in the working set's shared memory.
+
+Why in place: copying each newly published entry's retrieval features into a local matrix (and
+moving rows when entries slid out) cost about 1 ms per call at ``pi05-mw``, more than the
+selection itself. The working set's slots sit a constant stride apart, so the retrieval field of
+every slot is one strided ``[slots, F]`` tensor (``RingBuffer.field_view``): a query is one
+matrix-vector product over it, scaled by each slot's inverse norm. Per slot only small things are
+kept, each computed once per sequence number (a slot rewritten gets a new one): the entry's key
+and episode code (from its header, decoded once), the inverse norm of its features, and the pin
+whose seqlock word says whether the slot was written since.
+
+A view of shared memory can change under the reader, so what is read counts only where the slot
+was not written meanwhile: scores of slots written since their pin are not eligible (checked for
+all slots at once after the product), and the caller checks the chosen entry's pin once more after
+the joint-history rerank (``pinned``): a slot rewritten mid-read means a dense call, never a wrong
+reference.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..cache.entry import EntryKey
+from ..cache.retrieval import EpisodeCodes
+from ..ipc.ring import PinnedSlot, RingBuffer
+
+
+class WindowView(EpisodeCodes):
+    """The working set as ``Candidates`` (one row per slot) and as a ``CandidateSource``.
+
+    Only entries of the current task's reference episodes (``follow_task``) are candidates, so a
+    window still holding another task's entries can never serve this one. ``window`` is the
+    state the cache manager last published for its window (``window_state``).
+    """
+
+    def __init__(self, ring: RingBuffer):
+        if "retrieval" not in {f.name for f in ring.layout.fields}:
+            raise ValueError(f"working set {ring.name!r} publishes no retrieval features (an older cache manager?)")
+        self.ring = ring
+        features = ring.field_view("retrieval")
+        if features.device.type != "cpu":
+            raise ValueError(f"working set {ring.name!r} lives on {features.device}: selection reads it on the host")
+        # the product in torch, which keeps to the process's thread setting (numpy's BLAS threads a
+        # large product over every core: on a loaded machine that cost 7x); norms with numpy's
+        # einsum, no BLAS and no torch dispatch (the larger cost at small widths)
+        self._features = features.view(ring.slots, -1)             # [slots, F], no copy
+        self._features_np = self._features.numpy()                 # the same memory
+        self._histories = ring.field_view("history").numpy()       # [slots, L, D], no copy
+        self.feature_dim = int(self._features.shape[1])
+        self.task: str | None = None
+        self._episodes: frozenset[str] = frozenset()
+        self.window: dict | None = None
+        self._forget_all()
+
+    def _forget_all(self) -> None:
+        slots = self.ring.slots
+        EpisodeCodes.__init__(self)
+        self._seen = np.full(slots, -1, dtype=np.int64)            # sequence last looked at, per slot
+        self._slot_codes = np.full(slots, -1, dtype=np.int64)           # episode code; -1: no candidate
+        self._inv_norm = np.zeros(slots, dtype=np.float32)
+        self._locks = np.zeros(slots, dtype=np.int64)              # each candidate's seqlock at its pin
+        self._pins: list[PinnedSlot | None] = [None] * slots
+        self.keys: list[EntryKey | None] = [None] * slots
+        self._slot_of: dict[EntryKey, int] = {}
+
+    def follow_task(self, task: str, episodes: Iterable[str]) -> None:
+        """Candidates from now on: the prepared entries of ``episodes`` (the task's references)."""
+        episodes = frozenset(episodes)
+        if task != self.task or episodes != self._episodes:
+            self.task, self._episodes = task, episodes
+            self._forget_all()
+
+    def refresh(self) -> int:
+        """Take in the slots whose sequence changed since the last call; returns the entries that
+        became candidates. Costs one vectorised read of the headers when nothing changed."""
+        added = 0
+        seqs = self.ring.slot_seqs()
+        for slot in np.flatnonzero(seqs != self._seen).tolist():
+            seq = int(seqs[slot])
+            self._forget(slot)
+            if seq < 0:
+                self._seen[slot] = seq
+                continue
+            pin = self.ring.pin(slot, seq)
+            if pin is None or not isinstance(pin.meta, dict):
+                continue                                    # being rewritten: looked at again next call
+            meta = pin.meta
+            if "window" in meta:                            # the window's state, not an entry
+                self.window, self._seen[slot] = meta["window"], seq
+                continue
+            key = (str(meta["episode"]), int(meta["index"]))
+            if meta.get("selectable") and key[0] in self._episodes:
+                norm = _norm(self._features_np[slot])
+                if not pin.valid():                         # rewritten while its norm was taken
+                    continue
+                self._inv_norm[slot] = 1.0 / max(norm, 1e-12)
+                self._slot_codes[slot], self._locks[slot] = self.code(key[0]), pin.lock_word
+                self._pins[slot], self.keys[slot], self._slot_of[key] = pin, key, slot
+                added += 1
+            self._seen[slot] = seq
+        return added
+
+    def _forget(self, slot: int) -> None:
+        key = self.keys[slot]
+        if key is not None and self._slot_of.get(key) == slot:   # not if the entry moved to a slot taken in first
+            del self._slot_of[key]
+        self.keys[slot], self._pins[slot] = None, None
+        self._slot_codes[slot], self._inv_norm[slot] = -1, 0.0
+
+    def pinned(self, key: EntryKey) -> PinnedSlot | None:
+        """The pin a candidate was taken in with (its slot and sequence; ``valid()`` says whether
+        the slot is still as it was when scored)."""
+        slot = self._slot_of.get(key)
+        return None if slot is None else self._pins[slot]
+
+    def __len__(self) -> int:
+        return len(self._slot_of)
+
+    # Candidates
+    @property
+    def history_len(self) -> int:
+        return int(self._histories.shape[1])
+
+    @property
+    def state_dim(self) -> int:
+        return int(self._histories.shape[2])
+
+    @property
+    def episode_code_np(self) -> np.ndarray:
+        return self._slot_codes
+
+    @property
+    def histories_np(self) -> np.ndarray:
+        return self._histories
+
+    def similarities(self, features: Tensor) -> np.ndarray:
+        """[slots] cosine similarity of the query to each slot's entry, -inf where a slot holds no
+        candidate or was written since its pin (its score may mix two payloads)."""
+        q = features.detach().reshape(-1).to(torch.float32)
+        sims = (self._features @ q).numpy()                         # one product over every slot, in place
+        out = self._slot_codes < 0
+        out |= self.ring.seqlocks() != self._locks
+        # free slots hold whatever they last held (any float, inf and nan included): not scaled
+        scale = 1.0 / max(_norm(q.numpy()), 1e-12)
+        np.multiply(sims, self._inv_norm * scale, out=sims, where=~out)
+        sims[out] = -math.inf
+        return sims
+
+    # CandidateSource
+    def candidates(self, task: str) -> WindowView | None:
+        return self if task == self.task else None
+
+
+def _norm(v: np.ndarray) -> float:
+    """L2 norm of a vector (einsum: no BLAS, so never threaded)."""
+    return math.sqrt(float(np.einsum("i,i->", v, v)))
