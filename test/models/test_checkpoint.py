@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -551,3 +552,28 @@ def test_a_saved_config_json_speaks_lerobot_s_pi05_config(tmp_path: Path, tiny_m
     assert expert_head.shape == (cfg.vocab_size, cfg.expert.width) and not expert_head.any()
     with pytest.raises(ValueError, match="layout must be 'lerobot' or 'openpi', got 'hf'"):
         save_checkpoint(tiny_model, tmp_path / "x", layout="hf")
+
+
+def test_vocabulary_image_size_and_vision_mlp_are_read_off_the_tensors(tmp_path: Path):
+    """What config.json does not say is measured on the tensors, not taken from pi0.5's defaults."""
+    d2 = preset("pi05-d2")
+    cfg = dataclasses.replace(d2, vocab_size=1000,
+                              vision=dataclasses.replace(d2.vision, image_size=448, mlp_dim=2048)).validate()
+    ckdir = header_only_checkpoint(tmp_path / "other", cfg, lerobot_features(["c0"], 0))
+    got = infer_config(ckdir, read_tensor_index(checkpoint_files(ckdir))[0])
+    assert (got.vocab_size, got.vision.image_size, got.vision.mlp_dim, got.vision.patch_size) == (1000, 448, 2048, 14)
+
+
+def test_a_shared_load_describes_the_files_it_mapped(ckpt: Path, tmp_path: Path, tiny_model: Pi05Model):
+    ck = load_checkpoint(ckpt, share_weights=True, cache_dir=tmp_path)
+    assert ck.config == tiny_model.cfg and ck.path == ckpt and ck.layout == "lerobot"
+    assert ck.files == [ckpt / WEIGHTS] and ck.content_hash == content_hash([ckpt / WEIGHTS])
+    assert ck.shared is not None
+
+
+def test_twenty_one_refused_tensors_show_twenty_and_count_one(ckpt: Path):
+    names = sorted(k.removeprefix("model.") for k in load_file(str(ckpt / WEIGHTS)) if ".layers." in k)[:21]
+    _rewrite(ckpt, lambda t: [t.pop("model." + k) for k in names])
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(ckpt)
+    assert str(e.value).endswith("\n    ".join(names[:20]) + "\n    ... and 1 more")
