@@ -426,10 +426,7 @@ class Retriever:
 
         cur = state_history[-cfg.history_len:].detach().to("cpu", torch.float32).numpy()
         diff2 = np.square(pack.histories_np[idx, -cfg.history_len:] - cur)       # [k, L, D]
-        if len(arms) == 1:   # the same numbers as the general case below, without its stack
-            dist = np.sqrt(diff2[:, :, arms[0][0]:arms[0][1]].mean(axis=(1, 2)))
-        else:
-            dist = np.stack([np.sqrt(diff2[:, :, a:b].mean(axis=(1, 2))) for a, b in arms], axis=1).max(axis=1)
+        dist = np.maximum.reduce([np.sqrt(diff2[:, :, a:b].mean(axis=(1, 2))) for a, b in arms])   # worst arm
         j = int(dist.argmin())                                     # ties: the visually closer one
         episode_id, index = pack.keys[int(idx[j])]
         match = Match(episode_id, index, float(values[j]), float(dist[j]))
