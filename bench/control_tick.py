@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if "--inside" not in sys.argv:   # inside the namespace the install space's vla_runtime (with .msg) is used
     sys.path.insert(0, str(ROOT))
 
-from vla_runtime.engine.tick_timing import tick_statistics  # noqa: E402
+from vla_runtime.engine.tick_timing import long_gaps, tick_statistics  # noqa: E402
 
 CHECKPOINT = ROOT / "checkpoints" / "pi05-aloha-transfer-cube"
 TASK = "pick up the cube with the right arm and hand it over to the left arm"
@@ -171,10 +171,12 @@ def _window(node, starts: list[int], chunks: list[int], seconds: float, period: 
     inside = sorted(s for s in starts if t0 <= s <= t1)
     stats = tick_statistics(inside, period).as_dict()
     expected = round((t1 - t0) * 1e-9 / period)
+    gaps = [[round(s * 1e-9, 3), round(g_ms, 2)] for s, g_ms in long_gaps(inside, period)]
     # missed (a gap over 1.5 periods) also counts a tick that ran late but ran; not_run: ticks
     # the window should have held and did not (the schedule skipped them)
     return {**stats, "seconds": (t1 - t0) * 1e-9, "expected_ticks": expected,
             "not_run": max(0, expected - stats["ticks"]),
+            "long_gaps": gaps,   # [monotonic s of the late start, gap ms], each over 1.5 periods
             "calls_completed": sum(t0 <= c <= t1 for c in chunks), "cores_used": cpu, "load_average_before": load_before,
             "load_average_after": os.getloadavg()}
 

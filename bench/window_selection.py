@@ -7,7 +7,9 @@ the same working set: this checkout's and a baseline revision's (``--baseline``,
 so the old code runs exactly as it was. The window is the real one: a cache stage of this
 checkout publishes it, begins each episode (the initial window, untimed, as during a robot's
 reset) and slides it after every call from the new selection (untimed: on a robot it overlaps
-execution), so both selectors see the same window changes at every call.
+execution), so both selectors see the same window changes at every call. Then each selector
+that has idle work (``WindowSelector.idle``: taking in those changes, which the vision process
+does between calls) does it, timed apart (``idle``): it is off the call's path.
 
 The robot replays the repository's reference episodes (each call's stored retrieval features and
 joint state). Per call both selectors choose, in alternating order, on one thread; the report
@@ -65,6 +67,20 @@ def _stats(xs: list[float]) -> dict[str, float]:
             "mean_ms": statistics.fmean(xs) * 1e3, "max_ms": max(xs) * 1e3}
 
 
+def _idle(side: dict) -> str:
+    return "none" if side["idle"] is None else f"{side['idle']['median_ms']:.3f} ms median"
+
+
+def between_calls(selectors: dict, idle: dict[str, list[float]]) -> None:
+    """The vision process's work between calls, for each selector that has some (timed apart)."""
+    for name, sel in selectors.items():
+        work = getattr(sel, "idle", None)
+        if work is not None:
+            t0 = time.perf_counter()
+            work()
+            idle[name].append(time.perf_counter() - t0)
+
+
 def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(1)
     load_start = os.getloadavg()
@@ -82,6 +98,7 @@ def run(args: argparse.Namespace) -> dict:
                      repo, retrieval, rings.working_set, first_search_wait_s=600.0)}
     cost: dict[str, list[float]] = {"old": [], "new": []}
     cpu: dict[str, list[float]] = {"old": [], "new": []}   # this thread's CPU time: what load does not inflate
+    idle: dict[str, list[float]] = {"old": [], "new": []}  # the work between calls (not on a call's path)
     found = {"old": 0, "new": 0}
     agree = calls = 0
     differ: list[dict] = []
@@ -91,6 +108,7 @@ def run(args: argparse.Namespace) -> dict:
             for task in repo.tasks():
                 for record in repo.episodes(task):
                     stage.begin(task, episode)
+                    between_calls(selectors, idle)
                     for i in range(record.num_calls):
                         call = repo.load_call(record.episode_id, i)
                         features, state = call.retrieval, call.state_history[-1].numpy()
@@ -113,6 +131,7 @@ def run(args: argparse.Namespace) -> dict:
                         calls += 1
                         stage.follow(choices["new"].selection)
                         stage.upkeep()
+                        between_calls(selectors, idle)
                     episode += 1
             print(f"repeat {rep}: {calls} calls", file=sys.stderr)
     finally:
@@ -125,8 +144,10 @@ def run(args: argparse.Namespace) -> dict:
     return {"checkpoint": str(args.checkpoint), "repository": str(args.repository), "baseline": args.baseline,
             "threads": torch.get_num_threads(), "repeats": args.repeats, "calls": calls,
             "window": {"episodes": spec.episodes, "lookahead": spec.lookahead},
-            "old": {**old, "found": found["old"], "thread_cpu": old_cpu},
-            "new": {**new, "found": found["new"], "thread_cpu": new_cpu},
+            "old": {**old, "found": found["old"], "thread_cpu": old_cpu,
+                    "idle": _stats(idle["old"]) if idle["old"] else None},
+            "new": {**new, "found": found["new"], "thread_cpu": new_cpu,
+                    "idle": _stats(idle["new"]) if idle["new"] else None},
             "median_ratio_old_over_new": old["median_ms"] / new["median_ms"],
             "thread_cpu_median_ratio_old_over_new": old_cpu["median_ms"] / new_cpu["median_ms"],
             "same_choice": agree, "different_choices": differ,
@@ -150,7 +171,8 @@ def main() -> int:
     print(f"selection per call over {report['calls']} calls: old {o['median_ms']:.3f} ms median "
           f"({o['p90_ms']:.3f} p90), new {n['median_ms']:.3f} ms ({n['p90_ms']:.3f} p90), "
           f"{report['median_ratio_old_over_new']:.2f}x (thread CPU: old {o['thread_cpu']['median_ms']:.3f}, new "
-          f"{n['thread_cpu']['median_ms']:.3f} ms median); same choice {report['same_choice']}/{report['calls']}; "
+          f"{n['thread_cpu']['median_ms']:.3f} ms median); between calls, new {_idle(n)}; "
+          f"same choice {report['same_choice']}/{report['calls']}; "
           f"load average {report['load_average_start'][0]:.2f} -> {report['load_average_end'][0]:.2f}")
     return 0
 

@@ -454,12 +454,132 @@ def test_memory_report(model, repo, calls):
     # no entry yet: the estimate over every stored camera (3, not the model's 2), float32 states
     est = 2 * (cfg.vlm.depth - 1) * N_CAMS * cfg.num_image_tokens * cfg.vlm.width * 4
     assert m.memory_report() == {"bytes_per_stored_call": stored, "bytes_per_prepared_entry": est,
-                                 "prepared_entries": 0, "working_set_bytes": 0, "window_capacity_entries": T * (L + 1)}
+                                 "prepared_entries": 0, "working_set_bytes": 0, "window_capacity_entries": T * (L + 1),
+                                 "kept_rebuilt_entries": 0, "kept_rebuilt_bytes": 0}
     m.start_episode("pick")
     n = len(PICK_INITIAL)
     assert m.memory_report() == {"bytes_per_stored_call": stored, "bytes_per_prepared_entry": entry_bytes(cfg),
                                  "prepared_entries": n, "working_set_bytes": n * entry_bytes(cfg),
-                                 "window_capacity_entries": T * (L + 1)}
+                                 "window_capacity_entries": T * (L + 1),
+                                 "kept_rebuilt_entries": n, "kept_rebuilt_bytes": n * entry_bytes(cfg)}
+
+
+# ----------------------------------------------------------------------------- rebuilt entries kept
+
+
+def test_default_reuse_budget_is_the_profiles_and_budgets_are_checked():
+    """In-process default = the profile's documented ``cache.reuse_budget_mb`` (1024)."""
+    assert ManagerConfig().reuse_budget_bytes == CacheSpec().reuse_budget_mb << 20 == 2 ** 30
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match=f"reuse_budget_bytes must be a non-negative int, got {bad!r}"):
+            ManagerConfig(reuse_budget_bytes=bad)
+        with pytest.raises(ValueError, match=f"memory_budget_bytes must be a non-negative int, got {bad!r}"):
+            ManagerConfig(memory_budget_bytes=bad)
+
+
+def test_the_next_episode_of_a_task_takes_back_its_rebuilt_entries(model, repo, calls, clock):
+    """The initial window of an episode is the same calls each time: once rebuilt they are taken
+    back (the fake clock does not move: no load, no rebuild), as the same objects, which still hold
+    what a dense prefill of their stored call gives, and they become candidates again."""
+    m = CacheManager(model, repo, window_cfg())
+    m.start_episode("pick")
+    first = dict(m.entries)
+    assert m.start_episode("place").reused == 0
+    t = clock[0]
+    n = len(PICK_INITIAL)
+    assert m.start_episode("pick") == PrepareReport(added=n, dropped=0, deferred=0, budget=n, seconds=0.0, reused=n)
+    assert clock[0] == t and m.reused == n
+    eb = entry_bytes(model.cfg)
+    kept = m.memory_report()
+    assert (kept["kept_rebuilt_entries"], kept["kept_rebuilt_bytes"]) == (n + 3, (n + 3) * eb)   # taken back, kept again
+    assert set(m.entries) == PICK_INITIAL == set(m.matrix.keys)
+    assert all(m.entries[k] is first[k] for k in PICK_INITIAL)
+    call = calls["A"][2]
+    ref = reconstruct_entry(model, ("A", 2), stored_images_to_model(call.images), call.image_mask, call.tokens,
+                            call.token_mask, None)
+    assert torch.equal(m.entries[("A", 2)].ffn_in, ref.ffn_in) and torch.equal(m.entries[("A", 2)].ffn_out, ref.ffn_out)
+    row = m.matrix.keys.index(("A", 2))
+    assert torch.equal(m.matrix.histories[row], call.state_history)
+    f = call.retrieval.float().reshape(-1)
+    torch.testing.assert_close(m.matrix.features[row], f / f.norm(), rtol=0, atol=1e-6)   # float32 norm rounding
+    assert m.start_episode("place").reused == 3 and m.reused == n + 3      # the count adds up
+
+
+def test_kept_entries_cost_no_time_in_the_budget(model, repo, clock):
+    """Eq. 5's time term counts only the missing entries that must be rebuilt: the kept ones are
+    added on top (memory permitting). Same sliding as the Eq. 5 test, once to rebuild, then again."""
+    m = CacheManager(model, repo, window_cfg())
+    m.start_episode("pick")
+    m.follow(note("pick", at("A", 3), ("A", "B")))
+    assert m.prepare(time_available_s=100.0).added == 6          # A3..A5, B5..B7 rebuilt once
+    m.start_episode("pick")                                     # the initial window again, all kept
+    m.follow(note("pick", at("A", 3), ("A", "B")))
+    # 6 missing, all kept: no transfer, no rebuild; the default 1.0 s alone would allow 1 (Eq. 5 test)
+    assert m.prepare() == PrepareReport(6, 7, 0, 6, 0.0, 6)
+    assert set(m.entries) == window({"A": 3, "B": 5}, LENGTHS["pick"])
+
+
+def test_a_window_of_kept_and_new_entries_within_time_and_memory(model, repo, clock):
+    """Some missing entries kept, some not: Eq. 5's time term covers the rebuilds only, then the
+    kept ones are added, all within free memory (a budget of 5.5 entries). Still an estimate: the
+    window adds nearest first, so more rebuilds than the time term allowed can run."""
+    eb = entry_bytes(model.cfg)
+    m = CacheManager(model, repo, window_cfg(reuse_budget_bytes=10 * eb, memory_budget_bytes=5 * eb + eb // 2))
+    m.start_episode("pick")                                     # A0 B0 C0 A1 B1 A2 B2 rebuilt
+    m.follow(note("pick", at("A", 3), ("A", "B")))
+    assert m.prepare(time_available_s=100.0).added == 6         # A3 B5 A4 B6 A5 B7: 13 rebuilt, 10 kept
+    m.start_episode("pick")      # its 7 rebuilt again, each pushing out the oldest kept: B6 A5 B7 are left
+    m.follow(note("pick", at("A", 3), ("A", "B")))
+    t = clock[0]
+    # 6 missing, 3 kept; 3 to rebuild: transfer 3 x 0.125 s, floor((1.0 - 0.375) / 0.25) = 2; + 3 kept = 5
+    # (memory: all 7 prepared are dropped, 7 entries free); nearest first: A3 B5 A4 rebuilt, B6 A5 kept
+    assert m.prepare() == PrepareReport(5, 7, 1, 5, 3 * (LOAD_S + REBUILD_S), 2)
+    assert clock[0] == t + 3 * (LOAD_S + REBUILD_S)
+    # B7 missing (kept), 5 prepared, none dropped: 0.5 entries of memory free, so none is added
+    assert m.prepare() == PrepareReport(0, 0, 1, 0, 0.0, 0)
+
+
+def test_a_kept_entry_needs_free_memory_like_a_rebuilt_one(model, repo, clock):
+    """The memory term bounds kept and rebuilt entries together (a budget of 2.5 entries)."""
+    eb = entry_bytes(model.cfg)
+    m = CacheManager(model, repo, window_cfg(memory_budget_bytes=2 * eb + eb // 2))
+    m.start_episode("place")                                     # P0 P1 P2
+    m.follow(note("place", at("P", 1), ("P",)))
+    assert m.prepare().added == 1                                # P3 rebuilt (and kept), P0 dropped
+    m.start_episode("place")                                     # P0 P1 P2 taken back
+    m.follow(note("place", at("P", 1), ("P",)))
+    # P3 missing and kept; 3 prepared, P0 dropped: max(0, 2.5 - 3) + 1 = 1 entry of memory
+    assert m.prepare() == PrepareReport(1, 1, 0, 1, 0.0, 1)
+    assert set(m.entries) == {("P", 1), ("P", 2), ("P", 3)}
+    # the window widens from one episode to two: B0..B2 are missing and kept, nothing is dropped;
+    # with 3.5 entries of budget and A0..A2 prepared half an entry is free: none is taken back
+    m = CacheManager(model, repo, window_cfg(memory_budget_bytes=3 * eb + eb // 2))
+    m.start_episode("pick")
+    m.follow(note("pick", at("A", 0), ("A",)))
+    assert m.prepare() == PrepareReport(0, 4, 0, 0, 0.0, 0)       # B0 C0 B1 B2 dropped (kept)
+    m.follow(note("pick", at("A", 0), ("A", "B")))
+    assert m.prepare() == PrepareReport(0, 0, 3, 0, 0.0, 0)
+    assert m.prepare(time_available_s=100.0).deferred == 3        # time was never the bound
+
+
+def test_kept_entries_stay_within_their_budget_least_recently_used_out(model, repo, clock):
+    eb = entry_bytes(model.cfg)
+    m = CacheManager(model, repo, window_cfg(reuse_budget_bytes=2 * eb + eb // 2))
+    m.start_episode("place")                    # P0, P1, P2 rebuilt in that order: P0 out
+    assert m.memory_report()["kept_rebuilt_entries"] == 2 and m.memory_report()["kept_rebuilt_bytes"] == 2 * eb
+    # P1 and P2 taken out of the pool first (rebuilding P0 must not push them out), P0 rebuilt and
+    # kept, then P1 and P2 kept again, which pushes P0, now the least recently used, out
+    assert m.start_episode("place").reused == 2
+    assert list(m._rebuilt) == [("P", 1), ("P", 2)] and m.memory_report()["kept_rebuilt_bytes"] == 2 * eb
+    assert m.start_episode("place").reused == 2 and m.reused == 4
+    m.follow(note("place", at("P", 0), ("P",)))
+    assert m.prepare().reused == 0              # nothing missing
+    one = CacheManager(model, repo, window_cfg(reuse_budget_bytes=eb))   # exactly one entry fits
+    one.start_episode("place")
+    assert one.memory_report()["kept_rebuilt_entries"] == 1
+    none = CacheManager(model, repo, window_cfg(reuse_budget_bytes=eb - 1))   # an entry larger: none kept
+    none.start_episode("place")
+    assert none.memory_report()["kept_rebuilt_entries"] == 0 and none.start_episode("place").reused == 0
 
 
 def test_measured_times_are_the_last_256(model, repo, monkeypatch):
@@ -484,7 +604,7 @@ def test_measured_times_are_the_last_256(model, repo, monkeypatch):
 
     monkeypatch.setattr(ReferenceRepository, "load_call", load_call)
     monkeypatch.setattr(manager_mod, "reconstruct_entry", rebuild)
-    m = CacheManager(model, repo, window_cfg())
+    m = CacheManager(model, repo, window_cfg(reuse_budget_bytes=0))   # every start rebuilds
     for _ in range(4):                              # 4 x 3 = 12 entries, the slow first ones among them
         m.start_episode("place")
     for _ in range(35):                             # + 35 x 7 = 257: the slow ones are 257 entries back

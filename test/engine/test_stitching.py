@@ -497,3 +497,164 @@ def test_random_control_loop_invariants(mode):
         assert plan.remaining(max(t, start)) == newest_end - max(t, start) + 1
         assert plan.action_at(newest_end + 1) is None
     assert late > 0
+
+
+def _jerk_by_hand(a: np.ndarray, dt: float, boundaries: list[int], window: int) -> dict:
+    """boundary_jerk's documented rule written out with loops: j[k] = (a[k+3] - 3a[k+2] + 3a[k+1] - a[k]) / dt^3;
+    a boundary b (1 <= b <= T-1) covers the differences k in [b-3-window, b-1+window] that exist."""
+    T = len(a)
+    j = [(a[k + 3] - 3 * a[k + 2] + 3 * a[k + 1] - a[k]) / dt**3 for k in range(T - 3)]
+    covered: set[int] = set()
+    per = []
+    for b in boundaries:
+        if not 1 <= b <= T - 1:
+            continue
+        ks = [k for k in range(b - 3 - window, b + window) if 0 <= k < T - 3]
+        covered |= set(ks)
+        per.append(math.sqrt(sum(float((j[k] ** 2).sum()) for k in ks) / (len(ks) * a.shape[1])))
+    allsq = sum(float((x ** 2).sum()) for x in j) / (len(j) * a.shape[1])
+    cov = sorted(covered)
+    return {"rms_jerk": math.sqrt(allsq),
+            "boundary_rms_jerk": math.sqrt(sum(float((j[k] ** 2).sum()) for k in cov) / (len(cov) * a.shape[1]))
+            if cov else 0.0,
+            "per_boundary": per, "max_abs_jerk": max(float(np.abs(x).max()) for x in j),
+            "boundaries_used": len(per), "boundaries_skipped": len(boundaries) - len(per)}
+
+
+@pytest.mark.parametrize("window", [0, 1, 2, 5])
+def test_boundary_jerk_windows_follow_the_written_out_rule_at_every_edge(window):
+    # random actions (every difference distinct), boundaries at both ends of the trajectory,
+    # overlapping windows and ones outside it; the same sums in another order: float64 rounding
+    rng = np.random.default_rng(window)
+    a = rng.normal(size=(12, 3))
+    bounds = [0, 1, 2, 3, 6, 7, 10, 11, 12, -1]
+    got = boundary_jerk(a, 0.02, bounds, window=window)
+    want = _jerk_by_hand(a, 0.02, bounds, window)
+    assert got["boundaries_used"] == want["boundaries_used"] == 7
+    assert got["boundaries_skipped"] == want["boundaries_skipped"] == 3
+    for key in ("rms_jerk", "boundary_rms_jerk", "max_abs_jerk"):
+        assert got[key] == pytest.approx(want[key], rel=1e-12), key
+    assert got["per_boundary"] == pytest.approx(want["per_boundary"], rel=1e-12)
+    # a single boundary: its window alone, and the union equals it
+    one = boundary_jerk(a, 0.02, [6], window=window)
+    assert one["boundary_rms_jerk"] == pytest.approx(_jerk_by_hand(a, 0.02, [6], window)["boundary_rms_jerk"], rel=1e-12)
+    assert one["per_boundary"] == pytest.approx([one["boundary_rms_jerk"]], rel=1e-12)
+
+
+def test_boundary_jerk_errors_name_the_value():
+    with pytest.raises(ValueError, match=r"actions must have shape \[T >= 4, A\], got \(3, 2\)"):
+        boundary_jerk(np.zeros((3, 2)), 0.01, [1])
+    with pytest.raises(ValueError, match=r"got \(5,\)"):
+        boundary_jerk(np.zeros(5), 0.01, [1])
+    with pytest.raises(ValueError, match="^actions contain NaN/Inf; log held commands, not missing ones$"):
+        boundary_jerk(np.array([[0.0], [1.0], [np.inf], [2.0]]), 0.01, [1])
+    for dt in (0.0, -0.01, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=f"dt must be a positive number of seconds, got {dt!r}"):
+            boundary_jerk(np.zeros((5, 1)), dt, [1])
+    with pytest.raises(ValueError, match="^window must be a non-negative integer, got -1$"):
+        boundary_jerk(np.zeros((5, 1)), 0.01, [1], window=-1)
+    with pytest.raises(ValueError, match="^boundary must be an integer control tick, got 1.5$"):
+        boundary_jerk(np.zeros((5, 1)), 0.01, [1.5])
+
+
+def test_boundary_jerk_window_defaults_to_two_differences_each_side():
+    a = np.random.default_rng(7).normal(size=(20, 2))
+    assert boundary_jerk(a, 0.02, [10]) == boundary_jerk(a, 0.02, [10], window=2)
+    assert boundary_jerk(a, 0.02, [10]) != boundary_jerk(a, 0.02, [10], window=3)
+
+
+def test_clear_drops_every_planned_action_and_keeps_the_commit_point():
+    plan = ActionPlan(action_dim=2, capacity=16)
+    ReplaceStitcher().merge(plan, _chunk([1.0, 2.0, 3.0, 4.0]), start_tick=0, now=0)
+    assert plan.pop(1).tolist() == _chunk([2.0])[0].tolist()
+    plan.clear()
+    assert plan.last_planned_tick() is None and plan.remaining(2) == 0
+    assert _plan_rows(plan, 0, 5) == [None] * 5
+    assert plan.last_popped_tick == 1                       # what was executed stays executed
+    ReplaceStitcher().merge(plan, _chunk([7.0, 8.0, 9.0]), start_tick=0, now=2)
+    assert _plan_rows(plan, 0, 4) == [None, None, _chunk([9.0])[0].tolist(), None]
+
+
+class _DictPlan:
+    """ActionPlan's documented contract over a plain dict (no ring): what replace merges and
+    pops must leave, for comparing the ring's bookkeeping with at every step."""
+
+    def __init__(self, capacity: int):
+        self.capacity, self.actions, self.floor, self.last_popped = capacity, {}, None, None
+
+    def merge(self, chunk: np.ndarray, start: int, now: int) -> None:
+        first = max(start, now, -10**9 if self.last_popped is None else self.last_popped + 1)
+        end = start + len(chunk) - 1
+        if first > end:
+            return
+        floor = now if self.floor is None else max(self.floor, now)
+        if end - floor + 1 > self.capacity:
+            raise ValueError("does not fit")
+        self.floor = floor
+        self.actions = {t: a for t, a in self.actions.items() if floor <= t <= end}
+        self.actions.update({first + i: chunk[first - start + i] for i in range(end - first + 1)})
+
+    def pop(self, tick: int):
+        action = self.actions.get(tick) if self.floor is None or tick >= self.floor else None
+        self.last_popped = tick
+        self.floor = tick if self.floor is None else max(self.floor, tick)
+        self.actions = {t: a for t, a in self.actions.items() if t >= self.floor}
+        return action
+
+    def last_planned(self) -> int | None:
+        return max(self.actions) if self.actions else None
+
+    def remaining(self, now: int) -> int:
+        n = 0
+        while now + n in self.actions:
+            n += 1
+        return n
+
+
+@pytest.mark.parametrize("capacity", [1, 3, 7])
+def test_the_ring_keeps_the_dict_contract_through_laps_late_chunks_and_refusals(capacity):
+    # random replace merges and pops over many laps of a small ring: chunks that arrive late,
+    # start in the future, end before the plan does, do not fit; every query compared after each step
+    rng = np.random.default_rng(capacity)
+    plan, ref, replace = ActionPlan(action_dim=2, capacity=capacity), _DictPlan(capacity), ReplaceStitcher()
+    now, refused = 0, 0
+    for step in range(300):
+        if rng.random() < 0.6:
+            length = int(rng.integers(1, capacity + 3))
+            start = now + int(rng.integers(-3, 4))
+            chunk = rng.normal(size=(length, 2))
+            try:
+                ref.merge(chunk, start, now)
+            except ValueError:
+                refused += 1
+                before = plan.read(now - capacity, now + 2 * capacity)
+                with pytest.raises(ValueError, match="holds"):
+                    replace.merge(plan, chunk, start, now)
+                after = plan.read(now - capacity, now + 2 * capacity)
+                assert np.array_equal(before[1], after[1]) and np.array_equal(before[0], after[0])
+            else:
+                replace.merge(plan, chunk, start, now)
+        else:
+            got, want = plan.pop(now), ref.pop(now)
+            assert (got is None) == (want is None) and (got is None or np.array_equal(got, want)), step
+            now += int(rng.integers(1, 3))
+        assert plan.last_planned_tick() == ref.last_planned(), step
+        for t in range(now - 2, now + 2 * capacity + 4):
+            assert plan.remaining(t) == ref.remaining(t), (step, t)
+        acts, mask = plan.read(now - 2, now + 2 * capacity + 4)
+        for i, t in enumerate(range(now - 2, now + 2 * capacity + 4)):
+            assert bool(mask[i]) == (t in ref.actions), (step, t)
+            if mask[i]:
+                assert np.array_equal(acts[i], ref.actions[t]) and np.array_equal(plan.action_at(t), ref.actions[t])
+    assert refused > 0   # the draw exercised the capacity refusal
+
+
+@pytest.mark.parametrize("old_len", [9, 10])   # an odd and an even committed tail past the new chunk
+def test_freeze_keeps_a_committed_tail_to_its_last_tick_and_invents_none(old_len):
+    plan = ActionPlan(action_dim=2, capacity=32)
+    old = _chunk(np.arange(old_len) + 1.0)
+    ReplaceStitcher().merge(plan, old, start_tick=0, now=0)
+    FreezeStitcher().merge(plan, _chunk([-1.0, -2.0, -3.0]), start_tick=2, now=2, freeze=20)
+    # ticks 2..old_len-1 were committed: kept bit-exactly (all inside the freeze); nothing after them
+    assert plan.last_planned_tick() == old_len - 1
+    assert _plan_rows(plan, 2, old_len + 3) == [old[t].tolist() for t in range(2, old_len)] + [None] * 3

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from vla_runtime.engine.tick_timing import TickRecord, missed_in_gap, tick_statistics
+from vla_runtime.engine.tick_timing import TickRecord, long_gaps, missed_in_gap, tick_statistics
 
 MS = 1_000_000   # ns
 
@@ -41,6 +41,12 @@ def test_a_late_tick_is_late_and_a_long_gap_counts_the_ticks_that_did_not_run() 
     # numpy's linear percentile of the sorted gaps: rank 0.99 * 199 = 197.01 lies between the
     # 198th (20) and 199th (28) smallest gaps
     assert s.p99_ms == pytest.approx(20.0 + 0.01 * 8.0, abs=1e-6)
+    # where the missed ticks are: the start after the 60 ms gap (gap 152, counted from 0, ends at start 153); the
+    # late 28 ms gap and exactly 1.5 periods (30 ms) are not listed
+    t = starts(gaps)
+    [(at, ms)] = long_gaps(t, 0.02)
+    assert at == t[153] and ms == pytest.approx(60.0, abs=1e-6)
+    assert long_gaps(starts([20.0, 30.0, 31.0]), 0.02) == [(starts([20.0, 30.0, 31.0])[3], pytest.approx(31.0))]
 
 
 def test_fewer_than_two_starts_give_no_period() -> None:

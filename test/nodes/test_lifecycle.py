@@ -43,10 +43,11 @@ def test_a_policy_that_commanded_holds_its_last_command_not_the_lagging_measurem
 def test_a_peer_is_given_the_timeout_then_warned_about_until_heard_then_an_error_when_silent():
     w = PeerWatch(("policy",), now_s=100.0, timeout_s=3.0)
     assert w.report(102.9) == ("", "") and w.silent(102.9) == {}
+    assert w.values(102.9) == {"policy_last_heard_s": "2.9", "policy_heard": "False"}   # the start counts
     # never heard: still starting, or kept unconfigured by a lifecycle manager: a warning
     assert w.report(104.0) == ("", "policy node not heard since this node started 4.0 s ago")
     w.heard("policy", 104.5)
-    assert w.report(107.0) == ("", "") and w.values(107.0) == {"policy_last_heard_s": "2.5"}
+    assert w.report(107.0) == ("", "") and w.values(107.0) == {"policy_last_heard_s": "2.5", "policy_heard": "True"}
     # heard, then silent: it died (or was cleaned up): an error naming it
     assert w.report(108.0) == ("policy node silent for 3.5 s (stopped reporting): not running or not configured?",
                                "")

@@ -26,6 +26,7 @@ from vla_runtime.models.parts import ALL_PARTS, ROLE_PARTS, weight_bytes
 from vla_runtime.nodes.pipeline import LocalPipeline, PipelineSpec, ProcessPipeline
 from vla_runtime.nodes.profile import CacheSpec
 from vla_runtime.nodes.stages import CacheStage, RingNames, episode_noise_key, manager_config
+from vla_runtime.nodes.working_set import pin_entry
 
 CAMS = ("top", "wrist")
 
@@ -182,10 +183,13 @@ def test_a_seeded_episode_draws_its_own_noise_whatever_ran_before(demo):
             pipeline.call(f.images, np.asarray(f.state), episode.task)
         later = seeded(pipeline, 7)
         assert pipeline.numbering.seq == 2 + len(frames) and pipeline.episode == 2
+    # one process against three: the same noise, but another torch thread count and other buffer
+    # addresses may reorder float32 reductions (a 1-ulp difference was seen on a CI machine), so
+    # the bound of ``ReferenceOracle.check``; another seed moves the chunk by far more than that
     for a, b, w in zip(first, later, want):
-        np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
         np.testing.assert_allclose(a, w, rtol=0, atol=1e-5)
-    assert not np.allclose(first[0], other[0])               # another seed, other noise
+    assert np.abs(first[0] - other[0]).max() > 1e-2          # another seed, other noise
     with LocalPipeline(_spec(demo, "noisebad", enabled=False)) as pipeline:
         with pytest.raises(ValueError, match="episode seed"):
             pipeline.start_episode(episode.task, noise_seed=-1)
@@ -356,7 +360,7 @@ def test_a_reference_dropped_before_the_policy_denoises_still_serves_the_action_
             manager = pipeline.cache.worker.manager
             key = (choice.episode, choice.index)
             del manager.entries[key]
-            assert self.selector.reader.pin_entry(choice.slot, choice.seq) is None
+            assert pin_entry(self.selector.ring, choice.slot, choice.seq) is None
         return note
 
     with LocalPipeline(_spec(demo, "dropped")) as pipeline:

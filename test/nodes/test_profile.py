@@ -42,6 +42,8 @@ def _sim() -> dict:
     (lambda d: d["engine"].update(norm_asset=""), "engine.norm_asset: must be null or a non-empty asset id"),
     (lambda d: d["engine"].update(weights_per_role="yes"), "engine.weights_per_role: must be true or false"),
     (lambda d: d.update(cache={"background_nice": 20}), r"cache.background_nice: must be an int in \[0, 19\]"),
+    (lambda d: d.update(cache={"reuse_budget_mb": -1}), r"cache.reuse_budget_mb: must be an int >= 0 .*got -1"),
+    (lambda d: d.update(cache={"reuse_budget_mb": 1.5}), r"cache.reuse_budget_mb: must be an int >= 0 .*got 1.5"),
     (lambda d: d.update(cache={"action_cache": "yes"}), r"sim.cache: cache.action_cache: must be auto, on or off"),
     (lambda d: d.update(cache={"context_cache": 1}), r"sim.cache: cache.context_cache: must be auto, on or off"),
     (lambda d: d.update(cache={"enabled": True, "repository": "/r", "context_cache": "off", "action_cache": "off"}),

@@ -2,7 +2,7 @@
 
 import pytest
 
-from vla_runtime.nodes.request_timeout import RequestTimeout
+from vla_runtime.nodes.request_timeout import Asked, RequestTimeout
 
 
 def test_the_configured_wait_holds_until_an_answer_comes_late():
@@ -36,3 +36,20 @@ def test_a_configured_wait_longer_than_the_learned_one_wins_and_the_ceiling_boun
 def test_bad_settings_are_refused(kw):
     with pytest.raises(ValueError, match="margin must be >= 1"):
         RequestTimeout(**kw)
+
+
+def test_the_last_requests_given_up_on_are_kept_until_their_answers_come():
+    t = RequestTimeout(kept=3)
+    for seq in (4, 1, 7, 9):       # given up on out of order: the lowest numbers are the oldest requests
+        t.give_up(seq, Asked(clock_s=float(seq), monotonic_ns=seq * 10))
+    assert sorted(t.given_up) == [4, 7, 9]
+    assert t.take_given_up(7) == Asked(7.0, 70)
+    assert t.take_given_up(7) is None          # one answer per request
+    assert t.take_given_up(1) is None          # forgotten: beyond the last three
+    assert sorted(t.given_up) == [4, 9]
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True])
+def test_kept_is_validated(bad):
+    with pytest.raises(ValueError, match=f"kept must be an int >= 1, got {bad!r}"):
+        RequestTimeout(kept=bad)

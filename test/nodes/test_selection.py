@@ -20,7 +20,7 @@ from vla_runtime.engine.policy import Pi05Policy
 from vla_runtime.nodes.profile import CacheSpec
 from vla_runtime.nodes.selection import WindowSelector
 from vla_runtime.nodes.stages import CacheStage, RingNames, manager_config
-from vla_runtime.nodes.working_set import window_state
+from vla_runtime.nodes.working_set import pin_entry, window_state
 
 from .conftest import CAMS
 
@@ -74,7 +74,7 @@ def test_the_first_search_waits_for_the_initial_window_and_equals_the_one_proces
         choice = selector.choose(2, task, 0, features, state)
         assert choice.found and choice.selection.match.key == want, (choice.reason, choice.selection.match)
         assert set(choice.selection.candidates) == set(alone.selector.candidate_episodes())
-        got, _ = selector.reader.pin_entry(choice.slot, choice.seq)
+        got, _ = pin_entry(selector.ring, choice.slot, choice.seq)
         np.testing.assert_array_equal(got.ffn_out.numpy(), alone.entries[want].ffn_out.numpy())
         # the same task again: the window still holds episode 0's entries, but episode 1's first
         # search waits until the cache manager has begun episode 1
@@ -151,10 +151,13 @@ def test_a_late_note_of_the_episode_before_does_not_take_the_window_back(publish
     assert stage.worker.episodes_started == started + 1 and stage.worker.episode == 3
 
 
-def test_in_place_selection_chooses_what_the_copied_window_chooses(published):
+@pytest.mark.parametrize("idle", [False, True], ids=["calls only", "idle work between calls"])
+def test_in_place_selection_chooses_what_the_copied_window_chooses(published, idle):
     """The robot replays a reference episode while the window slides: at every call, selection
     in place over the working set picks what the same rules pick over a copy of that window (the
-    cache manager's own candidate matrix, which holds exactly the window's entries)."""
+    cache manager's own candidate matrix, which holds exactly the window's entries). With the
+    vision process's idle work between calls (``idle``), the window's changes are taken in
+    before the call comes, and the choices are the same."""
     from vla_runtime.cache.selector import ReferenceSelector
 
     stage, repo, cfg, rings = published
@@ -166,6 +169,8 @@ def test_in_place_selection_chooses_what_the_copied_window_chooses(published):
     stage.begin(task, 0)
     copied.start_episode(task)
     selector = WindowSelector(repo, cfg.retrieval, rings.working_set, first_search_wait_s=600.0)
+    selector.idle()                       # nothing attached or followed yet: nothing to do
+    assert selector.view is None
     eid = repo.episodes(task)[-1].episode_id
     try:
         for i in range(repo.episodes(task)[-1].num_calls):
@@ -183,6 +188,9 @@ def test_in_place_selection_chooses_what_the_copied_window_chooses(published):
             assert got.joint_distance == pytest.approx(want.joint_distance, rel=1e-6)
             stage.follow(choice.selection)
             stage.upkeep()
+            if idle:
+                selector.idle()
+                assert selector.view.refresh() == 0      # the idle work took in every change
     finally:
         selector.close()
 

@@ -323,7 +323,10 @@ def scenario(spec: dict, nodes: dict) -> dict:
     phase("cache_manager_killed", served=served, sources=sources, recovered_cached=back)
 
     # ---- 16: the policy node dies: the others and the rings survive, and both report it as an
-    # ERROR naming it (the launch does not restart it); it resumes when restarted, and the ERROR clears
+    # ERROR naming it (the launch does not restart it); it resumes when restarted, and the ERROR clears.
+    # First both peers must have heard it: the cache manager restarted above may not have yet (a
+    # peer never heard is only a warning: a node still starting is not a node that died)
+    spin_until(lambda: d("vision", "policy_heard") == "True" and d("cache manager", "policy_heard") == "True")
     nodes["policy_node"].kill()
     nodes["policy_node"].wait()
     since = len(diag_log)

@@ -7,8 +7,9 @@ import json
 from dataclasses import dataclass
 
 import numpy as np
+import pytest
 
-from vla_runtime.training.recording import keeps_failed_episodes, labels_kind, record_rollout
+from vla_runtime.training.recording import check_driver_settings, keeps_failed_episodes, labels_kind, record_rollout
 
 
 @dataclass
@@ -93,3 +94,20 @@ def test_dagger_manifest_keeps_failed_episodes(tmp_path):
     assert not keeps_failed_episodes(tmp_path / "expert" / "t" / "ep", tmp_path)
     assert keeps_failed_episodes(tmp_path / "dagger" / "t" / "ep", tmp_path)
     assert not keeps_failed_episodes(tmp_path / "elsewhere" / "ep", tmp_path)     # no manifest: successes only
+
+
+@pytest.mark.parametrize("beta", [0.0, 1.0])
+def test_driver_settings_accept_a_probability_and_an_existing_checkpoint(beta, tmp_path):
+    check_driver_settings(None, beta)
+    check_driver_settings(str(tmp_path), beta)
+
+
+@pytest.mark.parametrize("beta", [-0.01, 1.01, float("nan")])
+def test_driver_settings_refuse_a_beta_outside_0_1(beta):
+    with pytest.raises(ValueError, match=f"beta must be in \\[0, 1\\], got {beta}"):
+        check_driver_settings(None, beta)
+
+
+def test_driver_settings_refuse_a_missing_checkpoint(tmp_path):
+    with pytest.raises(FileNotFoundError, match=f"--policy {tmp_path / 'none'}: no checkpoint directory there"):
+        check_driver_settings(str(tmp_path / "none"), 0.5)

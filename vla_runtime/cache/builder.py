@@ -186,7 +186,10 @@ def profile_ratios(model: Pi05Model, references: dict[str, list[RecordedCall]], 
     with progress("profiling rho_p/rho_n", sum(len(r) for r in held_out.values()), "call") as bar:
         for eid, recs in held_out.items():
             task = task_of[eid]
-            retriever.start_episode(task, max_calls=max(len(c) for c in references.values()))
+            # as the runtime's selector starts an episode: repeats of one reference bounded by the
+            # task's longest reference episode, and its episodes' lengths for the past-the-end rule
+            lengths = {e: len(c) for e, c in references.items() if task_of[e] == task}
+            retriever.start_episode(task, max(lengths.values(), default=1), lengths)
             for rec in recs:
                 calls += 1
                 bar.update()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +34,15 @@ class ManagerConfig:
     window: WindowConfig = field(default_factory=WindowConfig)
     memory_budget_bytes: int = 4 << 30     # M_free: memory the prepared entries may take
     default_time_available_s: float = 1.0  # T_avl when the caller does not say (a chunk's execution time)
+    # entries rebuilt earlier, kept (least recently used out first) so that a window entering them
+    # again takes them instead of rebuilding: 0 keeps none
+    reuse_budget_bytes: int = 1 << 30
+
+    def __post_init__(self):
+        for name in ("memory_budget_bytes", "reuse_budget_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {v!r}")
 
 
 @dataclass
@@ -43,6 +52,7 @@ class PrepareReport:
     deferred: int = 0
     budget: int = 0
     seconds: float = 0.0
+    reused: int = 0      # of ``added``: taken from the rebuilt entries kept, not rebuilt
 
 
 def stored_images_to_model(images: Tensor) -> Tensor:
@@ -85,6 +95,11 @@ class CacheManager:
         # recent load / rebuild times per entry (the budget of Eq. 5 uses their means): bounded
         self._rebuild_s: deque[float] = deque(maxlen=256)
         self._load_s: deque[float] = deque(maxlen=256)
+        # every entry rebuilt, least recently used first, within cfg.reuse_budget_bytes: an entry is
+        # a function of its stored call and this model's weights, so one rebuilt before is exact
+        self._rebuilt: OrderedDict[EntryKey, PreparedEntry] = OrderedDict()
+        self._rebuilt_bytes = 0
+        self.reused = 0       # entries taken from ``_rebuilt`` instead of rebuilt, since start
 
     @classmethod
     def open(cls, model: Pi05Model, root, checkpoint_hash: str, cfg: ManagerConfig = ManagerConfig(),
@@ -177,7 +192,12 @@ class CacheManager:
         mean_rebuild = sum(self._rebuild_s) / len(self._rebuild_s) if self._rebuild_s else 1e-3
         dropped = set(self.window.prepared) - set(self.window.target(matches))
         free += entry_bytes * len(dropped)
-        budget = reconstruction_budget(len(missing), free, entry_bytes, t_avl, mean_load * len(missing), mean_rebuild)
+        # entries kept from an earlier rebuild cost no time, only memory (still an estimate: the
+        # window adds nearest first, kept or not)
+        kept = sum(k in self._rebuilt for k in missing)
+        rebuild = len(missing) - kept
+        budget = min(free // entry_bytes, kept + reconstruction_budget(
+            rebuild, free, entry_bytes, t_avl, mean_load * rebuild, mean_rebuild))
         return self._apply(self.window.plan(matches, budget), budget)
 
     # ------------------------------------------------------------ internals
@@ -221,18 +241,39 @@ class CacheManager:
             self.entries.pop(key, None)
             if key in self.matrix:
                 self.matrix.remove(key)
+        # the kept entries this plan wants leave the pool first: rebuilding the others must not
+        # push them out before their turn
+        taken = {key: self._rebuilt.pop(key) for key in plan.add if key in self._rebuilt}
+        self._rebuilt_bytes -= sum(e.nbytes() for e in taken.values())
         for key in plan.add:
-            t1 = time.perf_counter()
-            call = self.repo.load_call(*key)
-            t2 = time.perf_counter()
-            entry = self._reconstruct(key, call)
-            entry.retrieval, entry.state_history = call.retrieval, call.state_history   # published for selection
+            entry = taken.get(key)
+            if entry is None:
+                t1 = time.perf_counter()
+                call = self.repo.load_call(*key)
+                t2 = time.perf_counter()
+                entry = self._reconstruct(key, call)
+                entry.retrieval, entry.state_history = call.retrieval, call.state_history   # published for selection
+                self._load_s.append(t2 - t1)
+                self._rebuild_s.append(time.perf_counter() - t2)
+            self._keep_rebuilt(entry)
             self.entries[key] = entry
-            self._load_s.append(t2 - t1)
-            self._rebuild_s.append(time.perf_counter() - t2)
-            self.matrix.put(key, call.retrieval, call.state_history)
+            self.matrix.put(key, entry.retrieval, entry.state_history)
         self.window.commit(plan)
-        return PrepareReport(len(plan.add), len(plan.drop), len(plan.deferred), budget, time.perf_counter() - t0)
+        self.reused += len(taken)
+        return PrepareReport(len(plan.add), len(plan.drop), len(plan.deferred), budget, time.perf_counter() - t0,
+                             len(taken))
+
+    def _keep_rebuilt(self, entry: PreparedEntry) -> None:
+        """Keep ``entry`` as the most recently used, dropping the least recently used ones while
+        the kept entries exceed ``cfg.reuse_budget_bytes`` (one larger than it is not kept)."""
+        size = entry.nbytes()
+        if size > self.cfg.reuse_budget_bytes:
+            return
+        self._rebuilt[entry.key] = entry
+        self._rebuilt_bytes += size
+        while self._rebuilt_bytes > self.cfg.reuse_budget_bytes:
+            _, old = self._rebuilt.popitem(last=False)
+            self._rebuilt_bytes -= old.nbytes()
 
     def _reconstruct(self, key: EntryKey, call: ReferenceCall) -> PreparedEntry:
         device = next(self.model.parameters()).device
@@ -253,4 +294,5 @@ class CacheManager:
                 "bytes_per_prepared_entry": per_entry,
                 "prepared_entries": len(self.entries),
                 "working_set_bytes": sum(e.nbytes() for e in self.entries.values()),
-                "window_capacity_entries": self.cfg.window.capacity}
+                "window_capacity_entries": self.cfg.window.capacity,
+                "kept_rebuilt_entries": len(self._rebuilt), "kept_rebuilt_bytes": self._rebuilt_bytes}

@@ -69,6 +69,14 @@ def tick_statistics(starts_ns: Sequence[int] | np.ndarray, period_s: float, late
                      int(missed_each.sum()), late, late_ms)
 
 
+def long_gaps(starts_ns: Sequence[int] | np.ndarray, period_s: float) -> list[tuple[int, float]]:
+    """The gaps that count as missed ticks (over ``MISSED_FACTOR`` periods), each as (start of the
+    tick after it, monotonic ns; gap ms): where they fall, to line them up with other traces."""
+    t = np.asarray(starts_ns, dtype=np.int64)
+    return [(int(s), float(g) * 1e-6) for s, g in zip(t[1:], np.diff(t))
+            if missed_in_gap(float(g) * 1e-9, period_s)]
+
+
 class TickRecord:
     """The start times of the last ``capacity`` ticks (bounded: a node runs for days), plus the
     ones not yet handed out by ``drain`` (for a trace topic; bounded the same way). The tick

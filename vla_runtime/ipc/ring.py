@@ -270,12 +270,8 @@ def _segment_nonce(name: str) -> int | None:
     Reads the control block with ``pread`` from ``/dev/shm`` (Linux: where POSIX shared memory
     lives) instead of mapping the segment, so no resource-tracker traffic is caused.
     """
-    try:
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY)
-    except FileNotFoundError:
-        return None
-    except OSError:  # no /dev/shm (not Linux): map it instead
-        try:
+    if not os.path.isdir(SHM_DIR):  # not Linux: map it instead (opening a file under a missing
+        try:                          # SHM_DIR would say "no such segment" for every name)
             shm = _open_attached(name)
         except FileNotFoundError:
             return None
@@ -284,6 +280,10 @@ def _segment_nonce(name: str) -> int | None:
             return _read_word(shm.buf, C.W_NONCE) if ok else None
         finally:
             shm.close()
+    try:
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY)
+    except FileNotFoundError:
+        return None
     try:
         head = os.pread(fd, C.GLOBAL_BYTES, 0)
     finally:

@@ -64,8 +64,13 @@ class PeerWatch:
         return "; ".join(errors), "; ".join(warnings)
 
     def values(self, now_s: float) -> dict[str, str]:
-        """Diagnostic key/values: seconds since each peer was last heard."""
-        return {f"{p}_last_heard_s": f"{now_s - t:.1f}" for p, t in self.last_heard.items()}
+        """Diagnostic key/values: seconds since each peer was last heard (the watch's start counts),
+        and whether it has been heard at all since this node started."""
+        out = {}
+        for p, t in self.last_heard.items():
+            out[f"{p}_last_heard_s"] = f"{now_s - t:.1f}"
+            out[f"{p}_heard"] = str(self.ever_heard[p])
+        return out
 
 
 def settle_heap() -> int:

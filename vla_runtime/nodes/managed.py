@@ -35,6 +35,7 @@ from rclpy.timer import Timer
 from .diagnostics import DIAGNOSTICS_TOPIC, status_name
 from .lifecycle import PeerWatch, release_memory, settle_heap
 from .params import Param, declare_parameters
+from .call_thread import CallThread
 from .spin import CallbackGate, start_failure
 
 SHUTDOWN_WAIT_S = 5.0   # for the call in flight when the node stops (cleanup, deactivate, Ctrl-C)
@@ -59,6 +60,7 @@ class ManagedNode(LifecycleNode):
         self.peers: PeerWatch | None = None
         self.stage: Any = None                   # what _setup loads: a stage of stages.py (rings, weights)
         self.gate: CallbackGate | None = None    # the callbacks that use the stage's rings (None: single-threaded)
+        self.call_thread: CallThread | None = None   # where the node's long calls run (call_thread.py), if it has one
 
     # ------------------------------------------------------------ hooks of the node classes
     def _setup(self) -> None:
@@ -74,6 +76,8 @@ class ManagedNode(LifecycleNode):
         """Close the stage (its rings: unmapped, and unlinked by their creator) once no callback
         uses it, then drop it with its weights. A callback still running after ``SHUTDOWN_WAIT_S``
         keeps the rings mapped (unmapping under it would fault; the next start replaces them)."""
+        if self.call_thread is not None:
+            self.call_thread.drop_pending()   # calls taken before cleanup never run on a later configure
         if self.gate is None or self.gate.close(SHUTDOWN_WAIT_S):
             if self.stage is not None:
                 self.stage.close()
@@ -246,4 +250,6 @@ class ManagedNode(LifecycleNode):
                     self._step("deactivate", self._disable)
                 self._cleanup()
             self.finished = True
+        if self.call_thread is not None and not self.call_thread.stop(SHUTDOWN_WAIT_S):
+            self.get_logger().error(f"{self.call_thread.name}: a call was still running {SHUTDOWN_WAIT_S} s after shutdown")
         super().destroy_node()

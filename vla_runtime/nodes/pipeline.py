@@ -159,6 +159,7 @@ class LocalPipeline:
 # ---------------------------------------------------------------- three processes
 
 _STOP = "stop"
+IDLE_POLL_S = 0.005   # the vision stage's idle work (taking in window changes) between calls, this often
 
 
 @dataclass(frozen=True)
@@ -193,9 +194,15 @@ def _vision_main(spec: PipelineSpec, conn: Connection) -> None:
         stage = VisionStage(policy, spec.rings, spec.ring_slots, spec.cache if spec.cache.enabled else None,
                             spec.arm_slices)
 
+        def next_message():
+            if stage.selector is not None:   # gaps between calls take in the window's changes
+                while not conn.poll(IDLE_POLL_S):
+                    stage.idle()
+            return conn.recv()
+
         def loop() -> None:
             try:
-                while (msg := conn.recv()) != _STOP:
+                while (msg := next_message()) != _STOP:
                     _, req, images = msg
                     try:
                         note = stage.encode(req, images)

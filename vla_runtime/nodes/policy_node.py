@@ -4,7 +4,8 @@ Thin rclpy wiring around ``PolicyWorker`` and ``StreamingController``. A control
 the profile's rate (its own real-time thread, ``tick_loop.py``; a ROS timer with use_sim_time)
 and records when it starts (``engine/tick_timing.py``): it advances the plan, and when the scheduler says so asks the vision node
 for the next prefix, conditioned on the predicted state. When the vision node announces a slot,
-the chunk is denoised (in its own callback group, so control ticks go on meanwhile), merged into
+the chunk is denoised (on the node's call thread, ``call_thread.py``, so joint states are still taken
+and control ticks go on meanwhile), merged into
 the plan, and the upcoming plan is published as a ``JointTrajectory`` stamped with the time its
 first point takes effect, plus an ``ActionChunk`` with the chunk (clamped to the joint limits).
 
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
 
 import numpy as np
 from builtin_interfaces.msg import Duration, Time
@@ -47,8 +47,9 @@ from .lifecycle import hold_target
 from .managed import SHUTDOWN_WAIT_S, ManagedNode
 from .params import POLICY, profile_and_checkpoint, ring_names
 from .priority import control_priority
-from .request_timeout import RequestTimeout
+from .request_timeout import Asked, RequestTimeout
 from .prefix_ring import EPISODE_TOPIC, READY_TOPIC, REQUEST_TOPIC, subscribe_instruction
+from .call_thread import CallThread
 from .spin import CallbackGate, gated, run
 from .tick_loop import TickLoop
 from .stages import PolicyStage, SlotNote, cache_config, load_policy, open_repository_meta
@@ -56,17 +57,6 @@ from .stages import PolicyStage, SlotNote, cache_config, load_policy, open_repos
 PARAMETERS = POLICY
 
 
-@dataclass(frozen=True)
-class Asked:
-    """When a prefix request went out: on this node's clock (timeouts, latency; simulated time
-    with use_sim_time) and on the machine's monotonic clock (the vision node stamps its slots
-    with that one: a slot encoded before the request is a leftover)."""
-
-    clock_s: float
-    monotonic_ns: int
-
-
-GIVEN_UP_KEPT = 8       # requests asked again whose late answers still teach the wait (request_timeout.py)
 TICK_WINDOW_S = 10.0    # the tick timing in the diagnostics covers this much of the recent past
 TICK_TOPIC = "vla_runtime/tick_starts"   # each second: the control ticks' start times (monotonic ns)
 
@@ -82,6 +72,7 @@ class PolicyNode(ManagedNode):
         self.lock = threading.Lock()
         # destroy_node / deactivate wait for the chunk in flight before closing the rings; open only while active
         self.gate = CallbackGate(closed=True)
+        self.call_thread = CallThread("policy-calls")   # the denoising, off the executor (call_thread.py: why)
         self.stage: PolicyStage | None = None
         self.tick_timer = None              # with use_sim_time: the node clock's timer
         self.tick_loop: TickLoop | None = None   # otherwise: the tick's own real-time thread (tick_loop.py: why)
@@ -105,7 +96,6 @@ class PolicyNode(ManagedNode):
         self.task: str | None = None
         self.request_timeouts = 0
         self.timeout = RequestTimeout()   # the wait for an answer, raised by answers that came too late
-        self.given_up: dict[int, Asked] = {}   # the last requests asked again (their answers may still come)
         self.cached_calls = 0
         self.refused_joint_states = 0
         self.refused_instructions = 0
@@ -147,8 +137,7 @@ class PolicyNode(ManagedNode):
                 self.gripper_traj_pub = own(lifecycle_pub(JointTrajectory, prof.output.gripper_topic, 10))
             elif prof.output.gripper_kind == "float64_array":
                 self.gripper_array_pub = own(lifecycle_pub(Float64MultiArray, prof.output.gripper_topic, 10))
-        own(self.create_subscription(SlotReady, READY_TOPIC, self._on_slot, 10,
-                                     callback_group=MutuallyExclusiveCallbackGroup()))
+        own(self.create_subscription(SlotReady, READY_TOPIC, self._on_slot, 10))
         self.tick_pub = own(self.create_publisher(Int64MultiArray, TICK_TOPIC, 10))
         own(self.create_timer(1.0, self._every_second))
         self.get_logger().info(f"policy node configured: profile {prof.name}, {prof.control_hz} Hz, checkpoint "
@@ -189,6 +178,7 @@ class PolicyNode(ManagedNode):
             if not self.tick_loop.stop():
                 self.get_logger().error("the control tick did not end within 2 s")
             self.tick_loop = None
+        self.call_thread.drop_pending()   # a slot taken while active is not denoised after a reactivation
         if not self.gate.close(SHUTDOWN_WAIT_S):
             self.get_logger().error(f"a chunk was still being computed {SHUTDOWN_WAIT_S} s after deactivation "
                                     "began: its result is dropped")
@@ -298,15 +288,18 @@ class PolicyNode(ManagedNode):
         if asked is not None and self._now_ns() * 1e-9 - asked.clock_s > self.request_timeout_s:
             self.get_logger().warning(f"prefix request {req.request_seq} unanswered after {self.request_timeout_s:g} s: "
                                       "asking again")
-            self.given_up[req.request_seq] = self.requested_at.pop(req.request_seq)
-            for seq in sorted(self.given_up)[:-GIVEN_UP_KEPT]:
-                del self.given_up[seq]
+            self.timeout.give_up(req.request_seq, self.requested_at.pop(req.request_seq))
             self.request_timeouts += 1
             self.controller.abandon(tick)
 
     # ------------------------------------------------------------ chunks
-    @gated
     def _on_slot(self, msg: SlotReady) -> None:
+        """(The executor's thread) hand the slot to the call thread: the denoising must not hold the executor."""
+        if not self.call_thread.submit(self._take_slot, msg):
+            self._refuse(f"slot {msg.slot} seq {msg.sequence} dropped: {self.call_thread.name} is behind")
+
+    @gated
+    def _take_slot(self, msg: SlotReady) -> None:
         in_flight = self.controller.in_flight
         if in_flight is None or self.requested_at.get(in_flight.request_seq) is None:
             return   # nothing asked (a slot for a request of an earlier run of this node, or abandoned)
@@ -319,7 +312,7 @@ class PolicyNode(ManagedNode):
             self.get_logger().warning(f"slot {msg.slot} seq {msg.sequence} was overwritten before it was read")
             return
         asked = self.requested_at.get(result.request_seq)
-        late = self.given_up.pop(result.request_seq, None)
+        late = self.timeout.take_given_up(result.request_seq)
         if asked is None and late is not None and result.meta.stamp_ns >= late.monotonic_ns:
             # the answer to a request given up on: too late for the plan, but it says how long a call takes here
             warning = self.timeout.late_answer(self._now_ns() * 1e-9 - late.clock_s, float(self.params["request_timeout_s"]))
@@ -464,7 +457,7 @@ class PolicyNode(ManagedNode):
 
 
 def main(args: list[str] | None = None) -> None:
-    run(PolicyNode, "vla_policy", threads=2, args=args)
+    run(PolicyNode, "vla_policy", args=args)
 
 
 if __name__ == "__main__":

@@ -109,6 +109,7 @@ class CacheSpec:
     episodes: int = 4        # T
     lookahead: int = 4       # L
     memory_budget_mb: int = 4096
+    reuse_budget_mb: int = 1024  # entries rebuilt earlier kept for the next window that wants them (0: none)
     background_nice: int = 10    # the cache manager's process runs this much nicer: rebuilds yield to calls
     # each half of the cache: auto (run it where build-cache --profile measured it faster than dense
     # on this machine; unmeasured: run it), on, off (true/false of older profiles read as on/off);
@@ -252,6 +253,8 @@ class RobotProfile:
             raise bad("cache.repository", "required when the cache is enabled")
         if not 0 < c.rho_p <= 1 or c.episodes < 1 or c.lookahead < 0 or c.memory_budget_mb < 1:
             raise bad("cache", "rho_p in (0, 1], episodes >= 1, lookahead >= 0, memory_budget_mb >= 1")
+        if isinstance(c.reuse_budget_mb, bool) or not isinstance(c.reuse_budget_mb, int) or c.reuse_budget_mb < 0:
+            raise bad("cache.reuse_budget_mb", f"must be an int >= 0 (0: keep no rebuilt entry), got {c.reuse_budget_mb!r}")
         if isinstance(c.background_nice, bool) or not isinstance(c.background_nice, int) \
                 or not 0 <= c.background_nice <= 19:
             raise bad("cache.background_nice", f"must be an int in [0, 19] (0: same priority as the calls), "

@@ -30,9 +30,9 @@ from ..cache.entry import PreparedEntry
 from ..cache.repository import ReferenceRepository
 from ..cache.retrieval import RetrievalConfig
 from ..cache.selector import ReferenceSelector, Selection
-from ..ipc.ring import PinnedSlot
+from ..ipc.ring import PinnedSlot, RingBuffer
 from .window_view import WindowView
-from .working_set import WorkingSetReader, current_reader, pinned_entry, window_state
+from .working_set import current_ring, pinned_entry, window_state
 
 @dataclass
 class Choice:
@@ -72,7 +72,7 @@ class WindowSelector:
         if "state_history" not in layout:
             raise ValueError(f"repository {repo.root} holds no episodes yet")
         self.state_dim = int(layout["state_history"][1])
-        self.reader: WorkingSetReader | None = None
+        self.ring: RingBuffer | None = None   # the working set's segment, attached
         self.view: WindowView | None = None
         self._had_window = False
         self.selector = ReferenceSelector(retrieval, _NoSource(), self.episodes, self.state_dim)
@@ -115,22 +115,31 @@ class WindowSelector:
                                     f"entry {match.key} replaced before it was read"))
         return Choice(sel, pinned_entry(pin), pin, pin.slot, pin.seq)
 
+    def idle(self) -> None:
+        """Between calls (the vision process has nothing to encode): take in what the cache
+        manager changed in the window since the last look (it slides the window while a chunk
+        executes), so that the next call's ``refresh`` finds little or nothing left to read, and
+        read the window's features so that the call's product finds them in the caches."""
+        if self.view is not None and self.view.task is not None and not self._attach():
+            self.view.refresh()
+            self.view.warm()
+
     def _attach(self) -> str:
         """Attach to (or re-attach to a restarted cache manager's) working set: '' when there is
         one to select from, else why the call runs dense."""
-        reader = current_reader(self.reader, self.name)
-        if reader is None:
-            self.reader = self.view = None
+        ring = current_ring(self.ring, self.name)
+        if ring is None:
+            self.ring = self.view = None
             return ("cache manager not running (working set gone)" if self._had_window else
                     "no working set yet (cache manager starting)")
-        if reader is not self.reader:
+        if ring is not self.ring:
             try:
-                self.view = WindowView(reader.ring)
+                self.view = WindowView(ring)
             except ValueError as e:
-                reader.ring.close()
-                self.reader = self.view = None
+                ring.close()
+                self.ring = self.view = None
                 return f"working set unusable: {e}"
-            self.reader = reader
+            self.ring = ring
             self.selector.retriever.source = self.view
             self._had_window = True
         return ""
@@ -145,9 +154,9 @@ class WindowSelector:
                 "window_entries": str(0 if self.view is None else len(self.view))}
 
     def close(self) -> None:
-        if self.reader is not None:
-            self.reader.ring.close()
-            self.reader = self.view = None
+        if self.ring is not None:
+            self.ring.close()
+            self.ring = self.view = None
 
 
 class _NoSource:

@@ -1,7 +1,7 @@
 """The entry point every node shares: init, spin, clean shutdown (also on Ctrl-C).
 
-Ctrl-C (or SIGTERM) asks the spin loop to end (``StopRequest``), but an executor worker may still be in
-a callback: encoding into a ring, or waiting for the cache manager's answer. ``CallbackGate``
+Ctrl-C (or SIGTERM) asks the spin loop to end (``StopRequest``), but the node's call thread
+(``call_thread.py``) may still be in a call: encoding into a ring, or denoising from one. ``CallbackGate``
 lets ``destroy_node`` stop new callbacks, wake the waiting ones and wait for the ones in flight
 before it unmaps the rings they write to (closing a ring under a running call would fault, and
 a wait sat out in full kept the process alive past any launcher's patience).
@@ -143,7 +143,7 @@ def start_failure(name: str, exc: BaseException) -> str:
     return f"{name}: cannot start: {text}"
 
 
-def run(make_node: Callable[[], object], name: str, threads: int = 1, args: list[str] | None = None) -> None:
+def run(make_node: Callable[[], object], name: str, args: list[str] | None = None) -> None:
     """Start ``make_node`` and spin it until shutdown. A node that cannot start (bad profile,
     checkpoint, device, parameter) prints one line saying why on stderr and the process exits
     with ``START_FAILED``, so that a launcher, or a shell, sees the failure and its reason.
@@ -154,7 +154,7 @@ def run(make_node: Callable[[], object], name: str, threads: int = 1, args: list
     transition) ends the spin, and the process exits 0."""
     import rclpy
     from rclpy._rclpy_pybind11 import RCLError
-    from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor, SingleThreadedExecutor
+    from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
     from rclpy.signals import SignalHandlerOptions
 
     # rclpy's own SIGINT handler shuts the context down at once, under the callbacks still running
@@ -177,7 +177,7 @@ def run(make_node: Callable[[], object], name: str, threads: int = 1, args: list
         print(start_failure(name, e), file=sys.stderr, flush=True)
         rclpy.try_shutdown()
         raise SystemExit(START_FAILED) from None
-    executor = MultiThreadedExecutor(num_threads=threads) if threads > 1 else SingleThreadedExecutor()
+    executor = SingleThreadedExecutor()   # a node's long calls run on its CallThread (call_thread.py: why)
     executor.add_node(node)
     try:
         spin_until_shutdown(lambda: spin_interruptibly(executor, lambda: rclpy.ok() and not stop.requested

@@ -139,7 +139,8 @@ def manager_config(spec: CacheSpec, repo: ReferenceRepository, arm_slices: tuple
                                                    first_call_floor=first_call_floors(repo) if spec.first_scene_floor
                                                    else {}, max_end_matches=spec.max_end_matches),
                          window=WindowConfig(episodes=spec.episodes, lookahead=spec.lookahead),
-                         memory_budget_bytes=spec.memory_budget_mb << 20)
+                         memory_budget_bytes=spec.memory_budget_mb << 20,
+                         reuse_budget_bytes=spec.reuse_budget_mb << 20)
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -274,6 +275,11 @@ class VisionStage:
 
     def heartbeat(self) -> None:
         self.prefix.heartbeat()
+
+    def idle(self) -> None:
+        """Work that can wait for a gap between calls (``WindowSelector.idle``); none without the cache."""
+        if self.selector is not None:
+            self.selector.idle()
 
     def close(self) -> None:
         self.prefix.close()

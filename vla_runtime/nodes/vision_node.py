@@ -21,7 +21,6 @@ prefix ring, activate starts prefilling, deactivate stops it, cleanup releases t
 from __future__ import annotations
 
 from diagnostic_msgs.msg import DiagnosticArray
-from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 from rclpy.qos import qos_profile_sensor_data
 from sensor_msgs.msg import CompressedImage, Image
 
@@ -33,6 +32,7 @@ from .diagnostics import DIAGNOSTICS_TOPIC, POLICY_STATUS, diagnostic_array
 from .managed import ManagedNode
 from .params import VISION, profile_and_checkpoint, ring_names
 from .prefix_ring import READY_TOPIC, REQUEST_TOPIC, SELECTION_TOPIC
+from .call_thread import CallThread
 from .spin import CallbackGate, gated, run
 from .stages import PrefixRequestNote, Selection, VisionStage, load_policy
 
@@ -48,6 +48,8 @@ class VisionNode(ManagedNode):
     def __init__(self) -> None:
         super().__init__("vla_vision", PARAMETERS)
         self.gate = CallbackGate(closed=True)   # cleanup waits for the call in flight before closing the rings
+        # the prefill, and what must not run beside it (heartbeat, status), off the executor (call_thread.py: why)
+        self.call_thread = CallThread("vision-calls")
         self.stage: VisionStage | None = None
         self.diag_pub = self.create_publisher(DiagnosticArray, DIAGNOSTICS_TOPIC, 10)
 
@@ -69,18 +71,17 @@ class VisionNode(ManagedNode):
         self.missing: list[str] = []
         self.calls = 0
         own = self.own
-        images = MutuallyExclusiveCallbackGroup()   # frames keep arriving while a call is encoded
-        for cam in self.profile.cameras:
+        for cam in self.profile.cameras:   # taken on the executor: frames keep arriving while a call is encoded
             kind = CompressedImage if cam.compressed else Image
             own(self.create_subscription(kind, cam.topic, lambda m, c=cam: self._on_image(c, m),
-                                         qos_profile_sensor_data, callback_group=images))
-        own(self.create_subscription(PrefixRequest, REQUEST_TOPIC, self._on_request, 10))
+                                         qos_profile_sensor_data))
+        own(self.create_subscription(PrefixRequest, REQUEST_TOPIC, self._take_request, 10))
         self.ready_pub = own(self.create_lifecycle_publisher(SlotReady, READY_TOPIC, 10))
         self.selection_pub = own(self.create_lifecycle_publisher(ReferenceSelection, SELECTION_TOPIC, 10)) \
             if self.stage.selector is not None else None
         self.watch_peers({POLICY_STATUS: "policy"})
-        own(self.create_timer(0.1, self._heartbeat))
-        own(self.create_timer(1.0, self._publish_diagnostics))
+        own(self.create_timer(0.1, lambda: self.call_thread.submit(self._heartbeat, coalesce=True)))
+        own(self.create_timer(1.0, lambda: self.call_thread.submit(self._publish_diagnostics, coalesce=True)))
         self.gate.open()
         self.get_logger().info(f"vision node configured: profile {self.profile.name}, checkpoint {ckpt}, ring "
                                f"{self.stage.prefix.name}, cache {'on' if self.stage.selector is not None else 'off'}")
@@ -118,8 +119,15 @@ class VisionNode(ManagedNode):
         self.selection_pub.publish(msg)
 
     @gated
-    def _heartbeat(self) -> None:
+    def _heartbeat(self) -> None:   # on the call thread, between calls: also the stage's idle work
         self.stage.heartbeat()
+        self.stage.idle()
+
+    def _take_request(self, req: PrefixRequest) -> None:
+        """(The executor's thread) hand the request to the call thread, where it is prefilled."""
+        if not self.call_thread.submit(self._on_request, req):
+            self.refused_requests += 1
+            self._refuse(f"prefix request {req.request_seq} dropped: {self.call_thread.name} is behind")
 
     @gated
     def _on_request(self, req: PrefixRequest) -> None:
@@ -177,7 +185,7 @@ class VisionNode(ManagedNode):
 
 
 def main(args: list[str] | None = None) -> None:
-    run(VisionNode, "vla_vision", threads=3, args=args)
+    run(VisionNode, "vla_vision", args=args)
 
 
 if __name__ == "__main__":

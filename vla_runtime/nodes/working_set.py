@@ -147,34 +147,27 @@ def pinned_entry(pin: PinnedSlot) -> PreparedEntry:
                          v["image_mask"][:cams], v["masks"] if meta.get("has_masks") else None)
 
 
-class WorkingSetReader:
-    """A reader of working-set entries: the vision side pins whole entries in place (Context
-    Cache; their masks it copies into the call's prefix slot for the policy's Action Cache)."""
-
-    def __init__(self, ring: RingBuffer):
-        self.ring = ring
-
-    def pin_entry(self, slot: int, seq: int) -> tuple[PreparedEntry, PinnedSlot] | None:
-        """The entry announced as (slot, seq) in place, or None when it was replaced (run dense).
-        Whatever is computed from it counts only if ``pin.valid()`` afterwards."""
-        pin = self.ring.pin(slot, seq)
-        if pin is None or not isinstance(pin.meta, dict):
-            return None
-        return pinned_entry(pin), pin
+def pin_entry(ring: RingBuffer, slot: int, seq: int) -> tuple[PreparedEntry, PinnedSlot] | None:
+    """The working-set entry announced as (slot, seq), in place, or None when it was replaced
+    (run dense). Whatever is computed from it counts only if ``pin.valid()`` afterwards."""
+    pin = ring.pin(slot, seq)
+    if pin is None or not isinstance(pin.meta, dict):
+        return None
+    return pinned_entry(pin), pin
 
 
-def current_reader(reader: WorkingSetReader | None, name: str) -> WorkingSetReader | None:
-    """The working set to read now: ``reader`` unless its ring was replaced (the cache manager
+def current_ring(ring: RingBuffer | None, name: str) -> RingBuffer | None:
+    """The working set to read now: ``ring`` unless it was replaced (the cache manager
     restarted: a new segment, sequences from 0 again, maybe another layout, or it closed it),
     then a fresh attachment (None while there is no working set: the call runs dense, it never
     waits). A cache manager that died or stopped leaves its last window readable: its entries
     stay valid (only a writer changes a slot), so calls go on selecting from it."""
-    if reader is not None and reader.ring.replaced():
-        reader.ring.close()
-        reader = None
-    if reader is not None:
-        return reader
+    if ring is not None and ring.replaced():
+        ring.close()
+        ring = None
+    if ring is not None:
+        return ring
     try:
-        return WorkingSetReader(RingBuffer.attach(name, RingBuffer.peek_layout(name)))
+        return RingBuffer.attach(name, RingBuffer.peek_layout(name))
     except (RingBufferError, OSError):   # asked again every call
         return None

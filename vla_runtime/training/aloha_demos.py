@@ -39,8 +39,8 @@ from ..io.bags import BagTopics, profile_topics, write_episode_bag
 from ..nodes.profile import RobotProfile, load_profile
 from ..sim.aloha_env import CONTROL_DT, DEFAULT_CAMERAS, DEFAULT_PROFILE, AlohaSimConfig, AlohaTask, check_profile
 from ..sim.aloha_expert import TransferCubeExpert
-from .recording import (ACTION_TOPIC, MANIFEST, CommandFilter, Driver, Rollout, labels_kind, pipeline_driver,
-                        record_rollout)
+from .recording import (ACTION_TOPIC, MANIFEST, CommandFilter, Driver, Rollout, check_driver_settings, labels_kind,
+                        pipeline_driver, record_rollout)
 
 
 @dataclass(frozen=True)
@@ -63,10 +63,7 @@ class AlohaDemoConfig:
     def validate(self) -> "AlohaDemoConfig":
         if self.episodes < 1 or self.call_every < 1 or self.tail_steps < 0 or self.max_tries_factor < 1:
             raise ValueError("episodes, call_every, max_tries_factor >= 1 and tail_steps >= 0")
-        if not 0.0 <= self.beta <= 1.0:
-            raise ValueError(f"beta must be in [0, 1], got {self.beta}")
-        if self.policy is not None and not Path(self.policy).is_dir():
-            raise FileNotFoundError(f"--policy {self.policy}: no checkpoint directory there")
+        check_driver_settings(self.policy, self.beta)
         if self.image_size < 8 or self.max_steps < 1:
             raise ValueError("image_size >= 8 and max_steps >= 1")
         check_profile(load_profile(self.profile), dict(DEFAULT_CAMERAS))

@@ -46,7 +46,8 @@ import numpy as np
 from ..io.bags import write_episode_bag
 from ..sim.metaworld_env import (ACTION_NAMES, CONTROL_DT, DEFAULT_CAMERAS, DEFAULT_TASKS, STATE_NAMES,
                                  MetaWorldConfig, MetaWorldTask, bag_topics, scripted_expert)
-from .recording import ACTION_TOPIC, MANIFEST, Driver, Rollout, labels_kind, pipeline_driver, record_rollout
+from .recording import (ACTION_TOPIC, MANIFEST, Driver, Rollout, check_driver_settings, labels_kind, pipeline_driver,
+                        record_rollout)
 
 
 FORMATS = ("rosbag2", "lerobot")
@@ -78,10 +79,7 @@ class DemoConfig:
             raise ValueError(f"format must be one of {FORMATS}, got {self.format!r}")
         if self.episodes < 1 or self.call_every < 1 or self.tail_steps < 0 or self.workers < 1:
             raise ValueError("episodes, call_every, workers >= 1 and tail_steps >= 0")
-        if not 0.0 <= self.beta <= 1.0:
-            raise ValueError(f"beta must be in [0, 1], got {self.beta}")
-        if self.policy is not None and not Path(self.policy).is_dir():
-            raise FileNotFoundError(f"--policy {self.policy}: no checkpoint directory there")
+        check_driver_settings(self.policy, self.beta)
         for task in self.tasks:
             self.harness(task)
         return self

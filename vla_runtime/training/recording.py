@@ -55,6 +55,15 @@ def keeps_failed_episodes(bag: Path, root: Path) -> bool:
     return False
 
 
+def check_driver_settings(policy: str | None, beta: float) -> None:
+    """The DAgger settings both demo recorders take: ``beta`` a probability, ``policy`` (when
+    given) a checkpoint directory that exists, checked before any episode is simulated."""
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta must be in [0, 1], got {beta}")
+    if policy is not None and not Path(policy).is_dir():
+        raise FileNotFoundError(f"--policy {policy}: no checkpoint directory there")
+
+
 def pipeline_driver(checkpoint: str | Path, cameras: Sequence[str], *, threads: int, seed: int,
                     arm_slices: tuple[tuple[int, int], ...] = (), state_dim: int | None = None,
                     ) -> tuple[Driver, Callable[[], None]]:
