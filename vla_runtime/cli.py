@@ -298,7 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_dataset_args(b)
     b.add_argument("--camera", action="append", default=[], metavar="NAME=/topic", help="with --cache: camera topics, in order")
     b.add_argument("--call-period", dest="call_period", type=float, default=0.5, help="seconds between policy calls")
-    b.add_argument("--rho-p", dest="rho_p", type=float, default=0.4, help="fraction of visual tokens recomputed")
+    b.add_argument("--rho-p", dest="rho_p", type=float, default=None,
+                   help="with --cache: fraction of visual tokens recomputed (default: the repository's profiled "
+                        "fraction, else 0.4)")
     b.add_argument("--time-available", dest="time_available", type=float, default=1.0,
                    help="seconds between calls for window reconstruction (T_avl)")
     b.add_argument("--stream", action="store_true",
@@ -378,7 +380,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_dataset_args(rp)
     rp.add_argument("--repository", default=None, help="with --dataset: run cached beside dense with this reference "
                                                        "repository (same noise): hit rate, fallbacks, cached errors")
-    rp.add_argument("--rho-p", dest="rho_p", type=float, default=0.4, help="with --repository: Context Cache fraction")
+    rp.add_argument("--rho-p", dest="rho_p", type=float, default=None,
+                    help="with --repository: Context Cache fraction (default: the repository's profiled fraction, "
+                         "else 0.4)")
     rp.add_argument("--n-execute", dest="n_execute", type=int, default=None,
                     help="with --dataset: chunk rows scored per call (default: the frames until the next call)")
     rp.add_argument("--checkpoint", default=None, help="checkpoint directory (default: the profile's engine.checkpoint)")

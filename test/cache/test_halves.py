@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from vla_runtime.cache.halves import HalfTiming, PhaseTiming, parse_setting, resolve_halves
+from vla_runtime.cache.halves import (DEFAULT_RHO_P, HalfTiming, PhaseTiming, choose_rho_p, parse_setting,
+                                      resolve_halves)
 
 
 def timing(context_speedup: float, action_speedup: float, rho_p: float = 0.4) -> HalfTiming:
@@ -76,3 +77,19 @@ def test_timing_round_trips_and_a_bad_field_is_named():
         HalfTiming.from_dict({**t.as_dict(), "device": ""})
     with pytest.raises(ValueError, match=r"half_timing.context_cache: must be an object"):
         HalfTiming.from_dict({**t.as_dict(), "context_cache": 3})
+
+
+def test_rho_p_given_wins_else_the_profiled_one_else_the_default():
+    assert choose_rho_p(0.6, timing(1.2, 1.2, rho_p=0.2)) == (0.6, "given")
+    assert choose_rho_p(1, None) == (1.0, "given")
+    assert choose_rho_p(None, timing(1.2, 1.2, rho_p=0.2)) == (0.2, "the repository's profiling")
+    # a half measured slower still leaves its ratio: auto then turns that half off, at that ratio
+    assert choose_rho_p(None, timing(0.7, 0.7, rho_p=0.6))[0] == 0.6
+    assert choose_rho_p(None, None) == (DEFAULT_RHO_P, "the default: the repository was built without --profile")
+    assert DEFAULT_RHO_P == 0.4   # the default the profiles documented before (docs/configuration.md)
+
+
+@pytest.mark.parametrize("bad", [0, 0.0, -0.1, 1.01, True, "0.4", float("nan")])
+def test_a_given_rho_p_outside_0_1_is_refused(bad):
+    with pytest.raises(ValueError, match=r"rho_p must be in \(0, 1\], got"):
+        choose_rho_p(bad, timing(1.2, 1.2))

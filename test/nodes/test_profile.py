@@ -41,6 +41,9 @@ def _sim() -> dict:
     (lambda d: d["engine"].update(dtype="int8"), "engine.dtype"),
     (lambda d: d["engine"].update(norm_asset=""), "engine.norm_asset: must be null or a non-empty asset id"),
     (lambda d: d["engine"].update(weights_per_role="yes"), "engine.weights_per_role: must be true or false"),
+    (lambda d: d.update(cache={"rho_p": 0}), r"cache.rho_p: must be null .* or in \(0, 1\], got 0"),
+    (lambda d: d.update(cache={"rho_p": 1.5}), r"cache.rho_p: must be null .* or in \(0, 1\], got 1.5"),
+    (lambda d: d.update(cache={"rho_p": "0.2"}), r"cache.rho_p: must be null .* or in \(0, 1\], got '0.2'"),
     (lambda d: d.update(cache={"background_nice": 20}), r"cache.background_nice: must be an int in \[0, 19\]"),
     (lambda d: d.update(cache={"reuse_budget_mb": -1}), r"cache.reuse_budget_mb: must be an int >= 0 .*got -1"),
     (lambda d: d.update(cache={"reuse_budget_mb": 1.5}), r"cache.reuse_budget_mb: must be an int >= 0 .*got 1.5"),
@@ -72,6 +75,16 @@ def test_a_retired_cache_key_is_warned_and_ignored(caplog):
     with caplog.at_level("WARNING"):
         prof = profile_from_dict(d, "sim")
     assert prof.cache.min_similarity == 0.7 and "sim.cache.reference_timeout_s is no longer used" in caplog.text
+
+
+@pytest.mark.parametrize("given, want", [(None, None), (0.2, 0.2), (1, 1)])
+def test_rho_p_left_unset_is_left_to_the_repository(given, want):
+    """``cache.rho_p`` null (or absent, the bundled profiles' way) is read as unset: the stages then
+    take the fraction the repository was profiled at (``halves.choose_rho_p``)."""
+    d = _sim()
+    d["cache"] = {} if given is None else {"rho_p": given}
+    assert profile_from_dict(d, "sim").cache.rho_p == want
+    assert load_profile(CONFIG / "aloha.yaml").cache.rho_p is None
 
 
 @pytest.mark.parametrize("context, action, want", [

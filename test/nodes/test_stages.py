@@ -21,13 +21,15 @@ from vla_runtime.nodes.stages import RingNames, cache_config
 CAMS = ("top", "wrist")
 
 
-def _timed_repository(demo: dict, root: Path, context_speedup: float, action_speedup: float) -> Path:
-    """A copy of the demo repository recording that each half ran at the given speed-up."""
-    out = root / f"repo_{context_speedup}_{action_speedup}"
+def _timed_repository(demo: dict, root: Path, context_speedup: float, action_speedup: float,
+                      rho_p: float = 0.4) -> Path:
+    """A copy of the demo repository recording that each half ran at the given speed-up, the
+    Context Cache at ``rho_p`` (what build-cache --profile records: the fraction it suggests)."""
+    out = root / f"repo_{context_speedup}_{action_speedup}_{rho_p}"
     shutil.copytree(demo["repo"], out)
     ReferenceRepository.open(out).record_half_timing(HalfTiming(
         PhaseTiming(0.010, 0.010 / context_speedup, 4), PhaseTiming(0.020, 0.020 / action_speedup, 4),
-        device="cpu", threads=1, dtype="float32", rho_p=0.4, rho_n=0.5, calls=2, repeats=2))
+        device="cpu", threads=1, dtype="float32", rho_p=rho_p, rho_n=0.5, calls=2, repeats=2))
     return out
 
 
@@ -75,3 +77,32 @@ def test_without_a_recorded_timing_auto_runs_both_halves_and_says_so(demo):
     assert (cc.context_cache, cc.action_cache) == (True, True) and "unmeasured" in cc.reason
     forced = cache_config(CacheSpec(enabled=True, repository=str(demo["repo"]), context_cache=False), repo)
     assert (forced.context_cache, forced.action_cache) == (False, True)
+
+
+def test_a_profile_without_rho_p_runs_the_fraction_the_repository_was_profiled_at(demo, tmp_path, caplog, oracle_for):
+    """``cache.rho_p`` unset: the stages take the fraction ``build-cache --profile`` timed the halves
+    at, say so at start-up, and the vision stage's Context Cache runs it; its cached calls agree
+    with the oracle at that fraction. (On the demo episodes the query drifts so little from its
+    reference that 0.2 and 0.4 move a chunk by only about 2e-6, so the oracle alone could not tell
+    the two apart: the stage's own configuration is checked for that.) A fraction given still wins."""
+    repo = _timed_repository(demo, tmp_path, context_speedup=1.4, action_speedup=1.4, rho_p=0.2)
+    with caplog.at_level(logging.WARNING, logger="vla_runtime.nodes.stages"):
+        cc = cache_config(CacheSpec(enabled=True, repository=str(repo)), ReferenceRepository.open(repo))
+    assert cc.rho_p == 0.2 and cc.reason.startswith("rho_p 0.2 (the repository's profiling); context cache on")
+    assert f"muscle-memory cache: {cc.reason}" in caplog.text
+    given = cache_config(CacheSpec(enabled=True, repository=str(repo), rho_p=0.6), ReferenceRepository.open(repo))
+    assert given.rho_p == 0.6 and given.reason.startswith("rho_p 0.6 (given)")
+    assert "the profile runs rho_p 0.6, the Context Cache was timed at 0.2" in given.reason
+
+    profiled = oracle_for(demo, 3, rho_p=0.2)
+    episode, served = demo["episode"], 0
+    rings = RingNames(f"t{os.getpid()}_rho_p", f"t{os.getpid()}_rho_w")
+    with LocalPipeline(PipelineSpec(Path(demo["checkpoint"]), CAMS, CacheSpec(enabled=True, repository=str(repo)),
+                                    rings=rings, seed=3, time_available_s=10.0)) as pipeline:
+        assert pipeline.vision.worker.cache.rho_p == 0.2
+        pipeline.start_episode(episode.task)
+        for frame in episode.frames:
+            res = pipeline.call(frame.images, np.asarray(frame.state), episode.task)
+            profiled.check(res, pipeline.last_choice, frame, episode.task)
+            served += bool(res.cached and res.meta.context_cache)
+    assert served >= 1

@@ -31,7 +31,7 @@ from ..progress import Progress, silent
 from ..models.flops import cached_flops, dense_flops
 from .entry import PreparedEntry, reconstruct_entry
 from .half_profile import TimingCase, time_halves
-from .halves import HalfTiming
+from .halves import DEFAULT_RHO_P, HalfTiming
 from .manager import model_images_to_stored
 from .masks import DEFAULT_GROUPS, ContributionRecorder, Groups, group_masks, validate_groups
 from .repository import ReferenceCall, ReferenceRepository, RepositoryMeta
@@ -336,7 +336,7 @@ def build_repository_from(policy: Pi05Policy, checkpoint_hash: str, episodes: Se
                 if adopt_profiled:
                     summary.rho_n = best.rho_n
             if matched:
-                rho_p = summary.rho_p if summary.rho_p is not None else CacheConfig.rho_p
+                rho_p = summary.rho_p if summary.rho_p is not None else DEFAULT_RHO_P
                 timing = time_profiled_halves(model, matched, rho_p, summary.rho_n, cfg.groups, half_repeats,
                                               progress)
                 summary.half_timing = timing.as_dict()

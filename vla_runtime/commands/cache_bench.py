@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from ..cache.builder import model_summary
+from ..cache.halves import choose_rho_p
 from ..cache.manager import CacheManager, ManagerConfig, PrepareReport
 from ..cache.repository import ReferenceRepository, RepositoryError
 from ..cache.retrieval import RetrievalConfig
@@ -37,7 +38,7 @@ class CacheBenchSpec:
     bags: str | None = None
     cameras: dict[str, str] = field(default_factory=dict)
     call_period: float = 0.5
-    rho_p: float = 0.4
+    rho_p: float | None = None      # None: the repository's profiled fraction
     time_available_s: float = 1.0
     threads: int | None = None
     seed: int = 0
@@ -82,9 +83,10 @@ def side_by_side(policy: Pi05Policy, cached: CachedEngine, manager: CacheManager
     return SideBySide(d, c, reason, manager.prepare(time_available_s))
 
 
-def cache_engines(policy: Pi05Policy, repository: str | Path, rho_p: float, time_available_s: float,
+def cache_engines(policy: Pi05Policy, repository: str | Path, rho_p: float | None, time_available_s: float,
                   arm_slices: tuple[tuple[int, int], ...] = ()) -> tuple[CacheManager, CachedEngine, ReferenceRepository]:
-    """The manager and cached engine over ``repository``, refused unless it was built for this checkpoint."""
+    """The manager and cached engine over ``repository``, refused unless it was built for this
+    checkpoint; ``rho_p`` None: the repository's profiled fraction (``choose_rho_p``)."""
     model = policy.engine.model
     try:
         repo = ReferenceRepository.open(repository, expect_checkpoint_hash=policy.checkpoint_hash,
@@ -93,7 +95,7 @@ def cache_engines(policy: Pi05Policy, repository: str | Path, rho_p: float, time
         raise RepositoryError(f"cannot use the repository, nothing to compare against dense: {e}") from None
     mcfg = ManagerConfig(retrieval=RetrievalConfig(history_len=repo.meta.history_len, arm_slices=arm_slices),
                          default_time_available_s=time_available_s)
-    cache_cfg = CacheConfig(rho_p=rho_p, rho_n=repo.meta.rho_n, groups=tuple(tuple(g) for g in repo.meta.mask_groups))
+    cache_cfg = CacheConfig(rho_p=choose_rho_p(rho_p, repo.meta.half_timing)[0], rho_n=repo.meta.rho_n, groups=tuple(tuple(g) for g in repo.meta.mask_groups))
     return CacheManager(model, repo, mcfg), CachedEngine(model, cache_cfg), repo
 
 
@@ -159,7 +161,8 @@ def run_cache_bench(spec: CacheBenchSpec, log=print, progress: Progress = silent
     hit_speed = {p: hdm[p] / hcm[p] for p in ("vision", "prefill", "denoise", "total") if hcm.get(p, 0) > 0}
     stats = manager.retriever.stats
     return {
-        "spec": {**{k: v for k, v in spec.__dict__.items() if k != "extra"}, "rho_n": repo.meta.rho_n},
+        "spec": {**{k: v for k, v in spec.__dict__.items() if k != "extra"}, "rho_n": repo.meta.rho_n,
+                 "rho_p": cached.cache.rho_p},
         "checkpoint_hash": policy.checkpoint_hash,
         "calls": calls, "cached_calls": hits, "hit_rate": hits / calls if calls else 0.0,
         "dense_reasons": reasons,

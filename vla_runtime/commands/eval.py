@@ -38,7 +38,7 @@ import torch
 
 from ..cache.builder import BuildConfig, build_repository_from
 from ..cache.half_profile import time_repository_halves
-from ..cache.halves import resolve_halves
+from ..cache.halves import DEFAULT_RHO_P, choose_rho_p, resolve_halves
 from ..cache.repository import ReferenceRepository
 from ..cache.retrieval import fallback_rule, first_call_floors
 from ..engine.policy import Pi05Policy
@@ -54,7 +54,7 @@ from ..sim.metaworld_env import ACTION_DIM, DEFAULT_CAMERAS, DEFAULT_TASKS, Meta
 CALL_PERIOD_S = 0.5    # bag time between the recorded calls of a reference episode (a synthetic clock)
 MODES = ("dense", "cached", "resampled")   # resampled: the dense policy drawing other noise (a baseline)
 CACHES = ("context", "action")
-DEFAULT_RHO_P, DEFAULT_RHO_N = 0.4, 0.5   # rMuscle's defaults, used when nothing is profiled
+DEFAULT_RHO_N = 0.5   # rMuscle's default, used when nothing is profiled (rho_p: halves.DEFAULT_RHO_P)
 
 
 @dataclass(frozen=True)
@@ -283,10 +283,10 @@ def build_reference_repository(spec: EvalSpec, log: Callable[[str], None],
     small model can need more neurons. ``rho_p``/``rho_n`` given in the spec are used as they are.
     """
     if spec.repository is not None:
-        rho_p = DEFAULT_RHO_P if spec.rho_p is None else spec.rho_p
-        rho_n = ReferenceRepository.open(spec.repository, verify=False).meta.rho_n   # its masks' fraction
-        return spec.repository, {"repository": str(spec.repository), "built": False, "rho_p": rho_p, "rho_n": rho_n,
-                                 "ratios_from": "the repository's masks, rho_p " + ("given" if spec.rho_p else "default")}
+        meta = ReferenceRepository.open(spec.repository, verify=False).meta
+        rho_p, rho_p_from = choose_rho_p(spec.rho_p, meta.half_timing)
+        return spec.repository, {"repository": str(spec.repository), "built": False, "rho_p": rho_p, "rho_n": meta.rho_n,
+                                 "ratios_from": f"the repository's masks, rho_p from {rho_p_from}"}
     policy = Pi05Policy.from_checkpoint(spec.checkpoint, camera_names=list(spec.cameras))
     if spec.reference_dataset is not None:
         refs, call_period, counts = dataset_references(spec, policy, log)

@@ -55,7 +55,7 @@ class OpenLoopSpec:
     call_period: float = 0.5
     n_execute: int | None = None
     seed: int = 0
-    rho_p: float = 0.4
+    rho_p: float | None = None      # with a repository; None: its profiled fraction
     time_available_s: float = 1.0
     storage: Storage = "sqlite3"
     overwrite: bool = False
@@ -240,7 +240,7 @@ def run_open_loop(spec: OpenLoopSpec, log: Callable[[str], None] = print) -> dic
     summary = {
         "dataset": str(spec.dataset), "out": str(spec.out), "checkpoint": str(checkpoint),
         "checkpoint_hash": policy.checkpoint_hash, "repository": None if spec.repository is None else str(spec.repository),
-        "rho_p": spec.rho_p if spec.repository else None, "seed": spec.seed, "call_period_s": spec.call_period,
+        "rho_p": cache[1].cache.rho_p if cache else None, "seed": spec.seed, "call_period_s": spec.call_period,
         "n_execute": spec.n_execute, "fps": reader.fps if reader else None, "joint_names": list(names),
         "episodes": [s.as_dict() for s in scores], "overall": overall.as_dict() | {"episode": None, "label": None},
         "golden": None if spec.golden is None else str(spec.golden), "tolerance": spec.tolerance,

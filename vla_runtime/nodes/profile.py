@@ -105,7 +105,7 @@ class StreamingSpec:
 class CacheSpec:
     enabled: bool = False
     repository: str | None = None
-    rho_p: float = 0.4
+    rho_p: float | None = None   # Context Cache fraction; unset: the repository's profiled one (halves.choose_rho_p)
     episodes: int = 4        # T
     lookahead: int = 4       # L
     memory_budget_mb: int = 4096
@@ -251,8 +251,11 @@ class RobotProfile:
         c = self.cache
         if c.enabled and not c.repository:
             raise bad("cache.repository", "required when the cache is enabled")
-        if not 0 < c.rho_p <= 1 or c.episodes < 1 or c.lookahead < 0 or c.memory_budget_mb < 1:
-            raise bad("cache", "rho_p in (0, 1], episodes >= 1, lookahead >= 0, memory_budget_mb >= 1")
+        if c.rho_p is not None and (isinstance(c.rho_p, bool) or not isinstance(c.rho_p, (int, float))
+                                    or not 0 < c.rho_p <= 1):
+            raise bad("cache.rho_p", f"must be null (the repository's profiled fraction) or in (0, 1], got {c.rho_p!r}")
+        if c.episodes < 1 or c.lookahead < 0 or c.memory_budget_mb < 1:
+            raise bad("cache", "episodes >= 1, lookahead >= 0, memory_budget_mb >= 1")
         if isinstance(c.reuse_budget_mb, bool) or not isinstance(c.reuse_budget_mb, int) or c.reuse_budget_mb < 0:
             raise bad("cache.reuse_budget_mb", f"must be an int >= 0 (0: keep no rebuilt entry), got {c.reuse_budget_mb!r}")
         if isinstance(c.background_nice, bool) or not isinstance(c.background_nice, int) \

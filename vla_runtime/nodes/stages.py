@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ..cache.builder import model_summary
-from ..cache.halves import resolve_halves
+from ..cache.halves import choose_rho_p, resolve_halves
 from ..cache.manager import CacheManager, ManagerConfig
 from ..cache.repository import ReferenceRepository, RepositoryError
 from ..cache.retrieval import RetrievalConfig, fallback_rule, first_call_floors
@@ -121,16 +121,19 @@ def open_repository_meta(spec: CacheSpec, policy: Pi05Policy) -> ReferenceReposi
 
 
 def cache_config(spec: CacheSpec, repo: ReferenceRepository | None) -> CacheConfig | None:
-    """The engine-side cache parameters: rho_p from the profile, rho_n and the step groups from the
-    repository (its masks were built for them), and which halves run: the profile's auto/on/off
-    against the repository's recorded half timing (``resolve_halves``), logged here, at each
+    """The engine-side cache parameters: rho_p from the profile, or where it leaves it unset the
+    one the repository was profiled at (``choose_rho_p``); rho_n and the step groups from the
+    repository (its masks were built for them); and which halves run: the profile's auto/on/off
+    against the repository's recorded half timing (``resolve_halves``). Logged here, at each
     stage's start-up, and kept as ``CacheConfig.reason`` for diagnostics."""
     if repo is None:
         return None
-    halves = resolve_halves(spec.context_cache, spec.action_cache, repo.meta.half_timing, spec.rho_p)
-    log.warning("muscle-memory cache: %s", halves.reason)   # once per stage start-up, seen at the default level
-    return CacheConfig(rho_p=spec.rho_p, rho_n=repo.meta.rho_n, groups=tuple(tuple(g) for g in repo.meta.mask_groups),
-                       context_cache=halves.context_cache, action_cache=halves.action_cache, reason=halves.reason)
+    rho_p, rho_p_from = choose_rho_p(spec.rho_p, repo.meta.half_timing)
+    halves = resolve_halves(spec.context_cache, spec.action_cache, repo.meta.half_timing, rho_p)
+    reason = f"rho_p {rho_p:g} ({rho_p_from}); {halves.reason}"
+    log.warning("muscle-memory cache: %s", reason)   # once per stage start-up, seen at the default level
+    return CacheConfig(rho_p=rho_p, rho_n=repo.meta.rho_n, groups=tuple(tuple(g) for g in repo.meta.mask_groups),
+                       context_cache=halves.context_cache, action_cache=halves.action_cache, reason=reason)
 
 
 def manager_config(spec: CacheSpec, repo: ReferenceRepository, arm_slices: tuple[tuple[int, int], ...] = ()) -> ManagerConfig:
