@@ -20,6 +20,11 @@ periods. A tick is missed when a gap exceeds 1.5 periods (``tick_timing.MISSED_F
 
 Needs the ROS 2 side built (``make ros``: install/). Reports, per window, period p50/p99/max,
 ticks missed and late (> period + 5 ms), the calls completed in the window, and the load average.
+
+Steal time: on a virtual machine the hypervisor can take a vCPU away (``steal`` in /proc/stat,
+counted in jiffies at the kernel's tick). A thread here samples it every 2 ms, so each
+long gap is listed with the steal counted around it (``STEAL_SLACK_MS`` either side): a gap
+that coincides with stolen time is the machine's, not the node's.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ if "--inside" not in sys.argv:   # inside the namespace the install space's vla_
     sys.path.insert(0, str(ROOT))
 
 from vla_runtime.engine.tick_timing import long_gaps, tick_statistics  # noqa: E402
+
+STEAL_SLACK_MS = 12.0   # a gap's neighbourhood for steal: the kernel books it at its next tick (HZ 100-1000)
 
 CHECKPOINT = ROOT / "checkpoints" / "pi05-aloha-transfer-cube"
 TASK = "pick up the cube with the right arm and hand it over to the left arm"
@@ -85,6 +92,63 @@ def robot_and_measure(spec: dict) -> dict:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+
+
+class StealSampler:
+    """Samples /proc/stat's per-CPU steal every ``period_s`` on a daemon thread; keeps each
+    increase as (monotonic ns, cpu, ms stolen). Empty where the kernel reports none."""
+
+    def __init__(self, period_s: float = 0.002) -> None:
+        import threading
+
+        self.period_s = period_s
+        self.events: list[tuple[int, int, float]] = []
+        self.ms_per_jiffy = 1000.0 / os.sysconf("SC_CLK_TCK")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="steal-sampler", daemon=True)
+
+    @staticmethod
+    def read() -> dict[int, int]:
+        """Steal jiffies per CPU (field 8 of each ``cpuN`` line)."""
+        out = {}
+        with open("/proc/stat") as f:
+            for line in f:
+                if line.startswith("cpu") and line[3].isdigit():
+                    parts = line.split()
+                    out[int(parts[0][3:])] = int(parts[8]) if len(parts) > 8 else 0
+        return out
+
+    def _run(self) -> None:
+        last = self.read()
+        while not self._stop.wait(self.period_s):
+            now, t = self.read(), time.monotonic_ns()
+            for cpu, v in now.items():
+                if v > last.get(cpu, v):
+                    self.events.append((t, cpu, (v - last[cpu]) * self.ms_per_jiffy))
+            last = now
+
+    def start(self) -> "StealSampler":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(1.0)
+
+    def stolen_ms(self, t0_ns: int, t1_ns: int) -> float:
+        return round(sum(ms for t, _, ms in self.events if t0_ns <= t <= t1_ns), 1)
+
+    def chance_near(self, starts_ns: list[int], period: float) -> float:
+        """The share of ticks with stolen time in the neighbourhood a gap of 1.5 periods is
+        checked in: how often a gap would meet steal by chance."""
+        import numpy as np
+
+        t = np.array(sorted(e[0] for e in self.events), dtype=np.int64)
+        if not starts_ns or t.size == 0:
+            return 0.0
+        s = np.asarray(starts_ns, dtype=np.int64)
+        slack, gap = int(STEAL_SLACK_MS * 1e6), int(1.5 * period * 1e9)
+        return round(float(np.mean(np.searchsorted(t, s + slack, "right") > np.searchsorted(t, s - gap - slack))), 4)
 
 
 def _play(spec: dict, pids: dict[str, int]) -> dict:
@@ -139,12 +203,14 @@ def _play(spec: dict, pids: dict[str, int]) -> dict:
     node.create_timer(period, play_joints)
     node.create_timer(1.0 / spec["camera_hz"], play_cameras)
     report: dict = {}
+    steal = StealSampler().start()
     spin_until(node, lambda: False, spec["settle"])          # the tick runs; nothing asked yet
-    report["idle"] = _window(node, starts, chunks, spec["seconds"], period, pids)
+    report["idle"] = _window(node, starts, chunks, spec["seconds"], period, pids, steal)
     instruction.publish(String(data=TASK))
     if not spin_until(node, lambda: len(chunks) >= spec["warmup_calls"], spec["start_timeout"]):
         raise RuntimeError(f"no chunk within {spec['start_timeout']} s of the instruction; see {spec['logs']}")
-    report["calls"] = _window(node, starts, chunks, spec["seconds"], period, pids)
+    report["calls"] = _window(node, starts, chunks, spec["seconds"], period, pids, steal)
+    steal.stop()
     node.destroy_node()
     rclpy.shutdown()
     return report
@@ -157,9 +223,10 @@ def _cpu_s(pids: dict[str, int]) -> dict[str, float]:
     return {n: sum(psutil.Process(p).cpu_times()[:2]) for n, p in pids.items()}
 
 
-def _window(node, starts: list[int], chunks: list[int], seconds: float, period: float, pids: dict[str, int]) -> dict:
-    """Spin ``seconds``; the statistics of the ticks that started inside, the calls completed and
-    the share of a core each node process used."""
+def _window(node, starts: list[int], chunks: list[int], seconds: float, period: float, pids: dict[str, int],
+            steal: StealSampler) -> dict:
+    """Spin ``seconds``; the statistics of the ticks that started inside, the calls completed,
+    the share of a core each node process used, and the steal time (in all and near each gap)."""
     from vla_runtime.testing.scenarios import spin_until
 
     t0 = time.monotonic_ns()
@@ -171,12 +238,16 @@ def _window(node, starts: list[int], chunks: list[int], seconds: float, period: 
     inside = sorted(s for s in starts if t0 <= s <= t1)
     stats = tick_statistics(inside, period).as_dict()
     expected = round((t1 - t0) * 1e-9 / period)
-    gaps = [[round(s * 1e-9, 3), round(g_ms, 2)] for s, g_ms in long_gaps(inside, period)]
+    slack = int(STEAL_SLACK_MS * 1e6)
+    gaps = [[round(s * 1e-9, 3), round(g_ms, 2), steal.stolen_ms(s - int(g_ms * 1e6) - slack, s + slack)]
+            for s, g_ms in long_gaps(inside, period)]
     # missed (a gap over 1.5 periods) also counts a tick that ran late but ran; not_run: ticks
     # the window should have held and did not (the schedule skipped them)
     return {**stats, "seconds": (t1 - t0) * 1e-9, "expected_ticks": expected,
             "not_run": max(0, expected - stats["ticks"]),
-            "long_gaps": gaps,   # [monotonic s of the late start, gap ms], each over 1.5 periods
+            "long_gaps": gaps,   # [monotonic s of the late start, gap ms, ms stolen around it], each over 1.5 periods
+            "steal_ms": steal.stolen_ms(t0, t1),   # stolen from all CPUs by the hypervisor in the window
+            "steal_chance_near_a_tick": steal.chance_near(inside, period),
             "calls_completed": sum(t0 <= c <= t1 for c in chunks), "cores_used": cpu, "load_average_before": load_before,
             "load_average_after": os.getloadavg()}
 
