@@ -225,7 +225,8 @@ def _eval(args: argparse.Namespace) -> int:
     band = lambda text: tuple(float(x) for x in text.split(","))  # noqa: E731
     spec = EvalSpec(checkpoint=args.checkpoint, out=args.out, tasks=tuple(args.task) if args.task else EvalSpec.tasks,
                     episodes=args.episodes, eval_seed=args.eval_seed, reference_episodes=args.reference_episodes,
-                    reference_seed=args.reference_seed, pose_band=band(args.pose_band),
+                    reference_seed=args.reference_seed, reference_tail_calls=args.reference_tail_calls,
+                    pose_band=band(args.pose_band),
                     reference_band=band(args.reference_band), n_execute=args.n_execute, max_steps=args.max_steps,
                     processes=args.processes, modes=tuple(args.modes.split(",")), repository=args.repository,
                     reference_dataset=args.reference_dataset,
@@ -426,6 +427,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--reference-episodes", dest="reference_episodes", type=int, default=10,
                     help="dense episodes per task recorded to build the repository (disjoint seeds)")
     ev.add_argument("--reference-seed", dest="reference_seed", type=int, default=50_000, help="first reference seed")
+    ev.add_argument("--reference-tail-calls", dest="reference_tail_calls", type=int, default=0,
+                    help="policy calls recorded past each reference's success (the robot at the goal): an episode "
+                         "near the goal then matches more than the references' last call")
     ev.add_argument("--pose-band", dest="pose_band", default="0,1",
                     help="inner,outer normalised band of the evaluation object poses (e.g. 0.7,1 = held out)")
     ev.add_argument("--reference-band", dest="reference_band", default="0,1", help="band of the reference poses")
@@ -442,7 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "metaworld_demos --format lerobot) instead of recording dense reference episodes")
     ev.add_argument("--rho-p", dest="rho_p", type=float, default=None,
                     help="Context Cache recompute fraction (default: profiled when the repository is built here, "
-                         "else 0.4)")
+                         "else the one a given repository was profiled at, else 0.4)")
     ev.add_argument("--rho-n", dest="rho_n", type=float, default=None,
                     help="Action Cache neuron fraction of the repository built here (default: profiled; "
                          "--repository keeps its own)")

@@ -333,3 +333,66 @@ def test_repository_from_a_lerobot_dataset(setup, tmp_path):
     with pytest.raises(ValueError, match="not both"):
         EvalSpec(checkpoint=setup["checkpoint"], out=tmp_path / "x", repository=setup["repo"],
                  reference_dataset=demos / "lerobot")
+
+
+class _ScriptedTask:
+    """A task that succeeds from step ``succeed_at`` on (and stays so), with Meta-World's done rule
+    (success, or the step limit): ``run_episode``'s bookkeeping without physics."""
+
+    instruction = "press the button"
+
+    def __init__(self, succeed_at: int | None, max_steps: int):
+        from types import SimpleNamespace
+
+        self.cfg = SimpleNamespace(task=TASK, max_steps=max_steps)
+        self.succeed_at, self.steps = succeed_at, 0
+
+    def reset(self, seed: int) -> np.ndarray:
+        self.steps = 0
+        return self._state()
+
+    def _state(self) -> np.ndarray:
+        return np.full(4, float(self.steps), np.float32)
+
+    def render(self) -> dict:
+        return {"corner": np.zeros((2, 2, 3), np.uint8)}
+
+    def step(self, action):
+        from vla_runtime.sim.metaworld_env import StepResult
+
+        self.steps += 1
+        success = self.succeed_at is not None and self.steps >= self.succeed_at
+        return StepResult(self._state(), success, success or self.steps >= self.cfg.max_steps, {})
+
+
+class _DensePipeline:
+    """Zero chunks, every call dense: what ``run_episode`` asks of a pipeline."""
+
+    last_episode_start_s, last_times, last_choice = 0.0, {}, None
+
+    def start_episode(self, task: str, noise_seed: int) -> None:
+        pass
+
+    def call(self, images, state, task):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(chunk=np.zeros((8, 4), np.float32), cached=False)
+
+
+@pytest.mark.parametrize("succeed_at, max_steps, tail, calls, steps, frame_states", [
+    (6, 40, 0, 2, 6, [0, 4]),               # stops at the success step
+    (6, 40, 2, 4, 16, [0, 4, 8, 12]),       # the success call's chunk, then 2 calls more
+    (6, 10, 2, 3, 10, [0, 4, 8]),           # the step limit ends the tail
+    (None, 10, 2, 3, 10, [0, 4, 8]),        # a failure has no tail
+])
+def test_references_recorded_past_their_success_go_on_for_the_tail_calls(succeed_at, max_steps, tail, calls, steps,
+                                                                         frame_states):
+    env = _ScriptedTask(succeed_at, max_steps)
+    r = eval_tool.run_episode(env, _DensePipeline(), seed=0, n_execute=4, record=True, tail_calls=tail)
+    assert (r.calls, r.steps, r.success) == (calls, steps, succeed_at is not None)
+    assert [float(f.state[0]) for f in r.frames] == frame_states   # a frame recorded at each call
+
+
+def test_tail_calls_are_validated(tmp_path):
+    with pytest.raises(ValueError, match="reference_tail_calls must be an int >= 0, got -1"):
+        EvalSpec(checkpoint=tmp_path, out=tmp_path, reference_tail_calls=-1)

@@ -66,6 +66,7 @@ class EvalSpec:
     eval_seed: int = 100_000
     reference_episodes: int = 10          # dense episodes per task recorded for the repository
     reference_seed: int = 50_000
+    reference_tail_calls: int = 0         # calls recorded past a reference's success (the robot at the goal)
     pose_band: tuple[float, float] = (0.0, 1.0)            # evaluation poses (normalised band)
     reference_band: tuple[float, float] = (0.0, 1.0)       # reference poses
     cameras: tuple[str, ...] = DEFAULT_CAMERAS
@@ -76,7 +77,7 @@ class EvalSpec:
     modes: tuple[str, ...] = ("dense", "cached")
     repository: Path | None = None        # an existing repository (skips the reference phase)
     reference_dataset: Path | None = None  # a LeRobot dataset (metaworld_demos --format lerobot) to build it from
-    rho_p: float | None = None            # None: profiled when the repository is built here, else 0.4
+    rho_p: float | None = None            # None: profiled when the repository is built here, else the repository's
     rho_n: float | None = None            # None: profiled (masks of a repository built here), else 0.5
     profile_episodes: int = 2             # reference episodes per task replayed to profile the ratios
     tolerance: float = 0.05               # mean relative action deviation the profiled ratios may cost
@@ -108,6 +109,9 @@ class EvalSpec:
             raise ValueError(f"caches must be a non-empty subset of {CACHES}, got {list(self.caches)}")
         if not 0 < self.min_similarity <= 1:
             raise ValueError(f"min_similarity must be in (0, 1], got {self.min_similarity}")
+        if isinstance(self.reference_tail_calls, bool) or not isinstance(self.reference_tail_calls, int) \
+                or self.reference_tail_calls < 0:
+            raise ValueError(f"reference_tail_calls must be an int >= 0, got {self.reference_tail_calls!r}")
         if self.max_end_matches < 0:
             raise ValueError(f"max_end_matches must be >= 0 (0: no limit), got {self.max_end_matches}")
         if "cached" in self.modes and self.repository is None and self.reference_dataset is None \
@@ -148,15 +152,22 @@ def task_harness(spec: EvalSpec, task: str, band: tuple[float, float]) -> MetaWo
                                          max_steps=spec.max_steps, pose_band=band))
 
 
-def run_episode(env: MetaWorldTask, pipeline, seed: int, n_execute: int, record: bool = False) -> EpisodeResult:
-    """One closed-loop episode: render at each call, execute the chunk's first ``n_execute`` actions."""
+def run_episode(env: MetaWorldTask, pipeline, seed: int, n_execute: int, record: bool = False,
+                tail_calls: int = 0) -> EpisodeResult:
+    """One closed-loop episode: render at each call, execute the chunk's first ``n_execute`` actions.
+
+    ``tail_calls``: after the call in which the task succeeded, that many calls more (within the
+    step limit), as the policy drives on at the goal. A reference recorded so gives an episode
+    that is near the goal and not yet done calls to match besides the references' last one (the
+    ``max_end_matches`` fallback counts matches of last calls)."""
     state = env.reset(seed)
     # a robot resetting: the cache manager prepares meanwhile; the noise follows the seed alone
     pipeline.start_episode(env.instruction, noise_seed=seed)
     res = EpisodeResult(env.cfg.task, seed, False, 0, 0, 0, [], {}, {}, [] if record else None,
                         pipeline.last_episode_start_s)
-    done = False
-    while not done:
+    done, tail_left = False, -1   # tail_left >= 0: calls still to make after the success
+    while not done and tail_left != 0:
+        tail_left -= tail_left > 0
         images = env.render()
         if record:
             res.frames.append(EpisodeFrame(len(res.frames) * CALL_PERIOD_S, images, state))
@@ -184,8 +195,10 @@ def run_episode(env: MetaWorldTask, pipeline, seed: int, n_execute: int, record:
             state = step.state
             res.success = res.success or step.success
             if step.done:
-                done = True
-                break
+                if not (res.success and tail_calls > 0 and res.steps < env.cfg.max_steps):
+                    done = True
+                    break
+                tail_left = tail_calls if tail_left < 0 else tail_left
     res.final_state = [float(x) for x in np.asarray(state).reshape(-1)]
     return res
 
@@ -218,7 +231,8 @@ def record_references(spec: EvalSpec, log: Callable[[str], None],
             try:
                 for i in range(spec.reference_episodes):
                     seed = spec.reference_seed + i
-                    r = run_episode(env, pipeline, seed, spec.n_execute, record=True)
+                    r = run_episode(env, pipeline, seed, spec.n_execute, record=True,
+                                    tail_calls=spec.reference_tail_calls)
                     bar.set_postfix_str(f"{task} seed {seed} {'success' if r.success else 'failure'}; "
                                         f"{len(bags) + r.success} recorded", refresh=False)
                     bar.update()
