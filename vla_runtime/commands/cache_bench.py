@@ -95,7 +95,8 @@ def cache_engines(policy: Pi05Policy, repository: str | Path, rho_p: float | Non
         raise RepositoryError(f"cannot use the repository, nothing to compare against dense: {e}") from None
     mcfg = ManagerConfig(retrieval=RetrievalConfig(history_len=repo.meta.history_len, arm_slices=arm_slices),
                          default_time_available_s=time_available_s)
-    cache_cfg = CacheConfig(rho_p=choose_rho_p(rho_p, repo.meta.half_timing)[0], rho_n=repo.meta.rho_n, groups=tuple(tuple(g) for g in repo.meta.mask_groups))
+    cache_cfg = CacheConfig(rho_p=choose_rho_p(rho_p, repo.meta.half_timing)[0], rho_n=repo.meta.rho_n,
+                            groups=tuple(tuple(g) for g in repo.meta.mask_groups))
     return CacheManager(model, repo, mcfg), CachedEngine(model, cache_cfg), repo
 
 

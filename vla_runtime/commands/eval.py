@@ -165,9 +165,8 @@ def run_episode(env: MetaWorldTask, pipeline, seed: int, n_execute: int, record:
     pipeline.start_episode(env.instruction, noise_seed=seed)
     res = EpisodeResult(env.cfg.task, seed, False, 0, 0, 0, [], {}, {}, [] if record else None,
                         pipeline.last_episode_start_s)
-    done, tail_left = False, -1   # tail_left >= 0: calls still to make after the success
-    while not done and tail_left != 0:
-        tail_left -= tail_left > 0
+    done, last_call = False, None   # last_call: once the task succeeded, the call count to stop at
+    while not done and (last_call is None or res.calls < last_call):
         images = env.render()
         if record:
             res.frames.append(EpisodeFrame(len(res.frames) * CALL_PERIOD_S, images, state))
@@ -198,7 +197,7 @@ def run_episode(env: MetaWorldTask, pipeline, seed: int, n_execute: int, record:
                 if not (res.success and tail_calls > 0 and res.steps < env.cfg.max_steps):
                     done = True
                     break
-                tail_left = tail_calls if tail_left < 0 else tail_left
+                last_call = res.calls + tail_calls if last_call is None else last_call
     res.final_state = [float(x) for x in np.asarray(state).reshape(-1)]
     return res
 
