@@ -14,8 +14,9 @@ from vla_runtime.ipc.ring import RingBuffer
 from vla_runtime.nodes.window_view import WindowView
 from vla_runtime.nodes.working_set import SharedEntryStore
 
-from .conftest import new_ws_ring, ws_entry
+from .conftest import RETRIEVAL, new_ws_ring, ws_entry
 
+RETRIEVAL_BYTES = math.prod(RETRIEVAL) * 4   # one slot's retrieval features (float32)
 # float32 dot products of 24 terms against the float64 cosine: a few ulps of 1 at most
 ATOL = 1e-6
 
@@ -60,6 +61,28 @@ def test_the_view_follows_the_window_by_sequence_numbers(store):
     store[c.key] = c                                        # reuses a's slot with a new sequence
     assert store[c.key].slot == sa and view.refresh() == 1 and view.pinned(c.key).slot == sa
     assert view.similarities(q)[sa] == pytest.approx(_cos(c, q), abs=ATOL)
+    view.ring.close()
+
+
+@pytest.mark.parametrize("gap_read_bytes, rows_read", [(0, 3), (RETRIEVAL_BYTES, 4)])
+def test_the_product_reads_only_the_candidate_slots(store, gap_read_bytes, rows_read):
+    """Candidates in two spans of slots with another task's entries between them and after: each
+    candidate scores its cosine, the others -inf, and the product reads only the candidates' slots
+    (``rows_scored``; a slot holds 768 KB of features at ``pi05-small``), plus a gap between them
+    when one slot's features are cheaper to read than another product."""
+    entries = [ws_entry((ep, i), 2, i + 1) for i, ep in enumerate(["ep-a", "ep-x", "ep-a", "ep-a", "ep-x"])]
+    for e in entries:
+        store[e.key] = e
+    view = _view(store, ["ep-a"])
+    view.GAP_READ_BYTES = gap_read_bytes
+    assert view.refresh() == 3
+    q = torch.randn(4, 6, generator=torch.Generator().manual_seed(11))
+    sims = view.similarities(q)
+    mine = [store[e.key].slot for e in entries if e.key[0] == "ep-a"]
+    assert sorted(mine) == [0, 2, 3]                        # two spans: [0] and [2, 3]
+    np.testing.assert_allclose(sims[mine], [_cos(e, q) for e in entries if e.key[0] == "ep-a"], rtol=0, atol=ATOL)
+    assert np.isneginf(np.delete(sims, mine)).all()
+    assert view.rows_scored == rows_read
     view.ring.close()
 
 

@@ -3,8 +3,9 @@
 Why in place: copying each newly published entry's retrieval features into a local matrix (and
 moving rows when entries slid out) cost about 1 ms per call at ``pi05-mw``, more than the
 selection itself. The working set's slots sit a constant stride apart, so the retrieval field of
-every slot is one strided ``[slots, F]`` tensor (``RingBuffer.field_view``): a query is one
-matrix-vector product over it, scaled by each slot's inverse norm. Per slot only small things are
+every slot is one strided ``[slots, F]`` tensor (``RingBuffer.field_view``): a query is a
+matrix-vector product over its rows that hold candidates (``_product``), scaled by each slot's
+inverse norm. Per slot only small things are
 kept, each computed once per sequence number (a slot rewritten gets a new one): the entry's key
 and episode code (from its header, decoded once), the inverse norm of its features, and the pin
 whose seqlock word says whether the slot was written since.
@@ -38,6 +39,8 @@ class WindowView(EpisodeCodes):
     state the cache manager last published for its window (``window_state``).
     """
 
+    GAP_READ_BYTES = 256 * 1024   # spare slots between candidates read through when smaller (``_product``)
+
     def __init__(self, ring: RingBuffer):
         if "retrieval" not in {f.name for f in ring.layout.fields}:
             raise ValueError(f"working set {ring.name!r} publishes no retrieval features (an older cache manager?)")
@@ -56,6 +59,7 @@ class WindowView(EpisodeCodes):
         self._episodes: frozenset[str] = frozenset()
         self.window: dict | None = None
         self._query: Tensor | None = None   # the query buffer (_query_buffer)
+        self.rows_scored = 0                # slots the last product read (the candidates)
         self._forget_all()
 
     def _forget_all(self) -> None:
@@ -113,11 +117,11 @@ class WindowView(EpisodeCodes):
         return self._query
 
     def warm(self) -> None:
-        """Read the window's features once, as a query will (between calls): the next call's
+        """Read the candidates' features once, as a query will (between calls): the next call's
         product then finds more of them in the CPU's caches than in main memory (at ``pi05-mw``,
         24 slots of 16k float32 features, 1.5 MB: the product over cold features was the largest
         part of a call's selection)."""
-        self._features @ self._query_buffer()
+        self._product(self._query_buffer(), np.empty(self.ring.slots, dtype=np.float32))
 
     def _forget(self, slot: int) -> None:
         key = self.keys[slot]
@@ -157,14 +161,37 @@ class WindowView(EpisodeCodes):
         candidate or was written since its pin (its score may mix two payloads)."""
         q = self._query_buffer()
         q.copy_(features.detach().reshape(-1))                      # the call's features, as float32
-        sims = (self._features @ q).numpy()                         # one product over every slot, in place
+        sims = np.full(self.ring.slots, -math.inf, dtype=np.float32)
+        self._product(q, sims)
         out = self._slot_codes < 0
         out |= self.ring.seqlocks() != self._locks
-        # free slots hold whatever they last held (any float, inf and nan included): not scaled
         scale = 1.0 / max(math.sqrt(float(torch.dot(q, q))), 1e-12)   # torch: this process's thread setting
         np.multiply(sims, self._inv_norm * scale, out=sims, where=~out)
         sims[out] = -math.inf
         return sims
+
+    def _product(self, q: Tensor, sims: np.ndarray) -> None:
+        """``sims[slot] = features[slot] . q`` over the candidate slots, read in place: one product
+        per span of candidate slots. Why not every slot: the working set has room for the whole
+        window and its spare slots, and after an episode's first search it holds few candidates
+        (2-16 of 27 at ``pi05-small``, where a slot's features are 768 KB); the product over every
+        slot read all 21 MB, from main memory after the vision tower, and was most of a call's
+        selection. A gap of other slots between two spans is read through when it is smaller
+        than ``GAP_READ_BYTES`` (what a product's dispatch costs in memory time: at ``pi05-mw``,
+        64 KB a slot, several products cost more than one over a few spare slots). Their scores
+        are not candidates' and are masked by the caller. ``rows_scored``: the slots read."""
+        rows = np.flatnonzero(self._slot_codes >= 0)
+        if not len(rows):
+            self.rows_scored = 0
+            return
+        gap_rows = self.GAP_READ_BYTES // (self.feature_dim * self._features.element_size())
+        cuts = np.flatnonzero(np.diff(rows) > gap_rows + 1)
+        starts = rows[np.concatenate(([0], cuts + 1))].tolist()
+        ends = (rows[np.concatenate((cuts, [len(rows) - 1]))] + 1).tolist()
+        out = torch.from_numpy(sims)
+        for a, b in zip(starts, ends):
+            torch.mv(self._features[a:b], q, out=out[a:b])
+        self.rows_scored = sum(ends) - sum(starts)
 
     # CandidateSource
     def candidates(self, task: str) -> WindowView | None:
