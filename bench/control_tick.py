@@ -25,6 +25,10 @@ Steal time: on a virtual machine the hypervisor can take a vCPU away (``steal`` 
 counted in jiffies at the kernel's tick). A thread here samples it every 2 ms, so each
 long gap is listed with the steal counted around it (``STEAL_SLACK_MS`` either side): a gap
 that coincides with stolen time is the machine's, not the node's.
+
+Where the policy process was: the tick loop logs a tick that starts over half a period late with
+where each of the process's other threads was at that moment (``nodes/tick_loop.py``:
+``LateTick``); each long gap gets the one logged within ``LATE_MATCH_S`` of its start.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -46,6 +51,8 @@ if "--inside" not in sys.argv:   # inside the namespace the install space's vla_
 from vla_runtime.engine.tick_timing import long_gaps, tick_statistics  # noqa: E402
 
 STEAL_SLACK_MS = 12.0   # a gap's neighbourhood for steal: the kernel books it at its next tick (HZ 100-1000)
+LATE_MATCH_S = 0.005    # a logged late tick belongs to a long gap starting this close to it
+LATE_LINE = re.compile(r"control tick [0-9.]+ ms late at monotonic ([0-9.]+) s(.*)$")
 
 CHECKPOINT = ROOT / "checkpoints" / "pi05-aloha-transfer-cube"
 TASK = "pick up the cube with the right arm and hand it over to the left arm"
@@ -245,7 +252,9 @@ def _window(node, starts: list[int], chunks: list[int], seconds: float, period: 
     # the window should have held and did not (the schedule skipped them)
     return {**stats, "seconds": (t1 - t0) * 1e-9, "expected_ticks": expected,
             "not_run": max(0, expected - stats["ticks"]),
-            "long_gaps": gaps,   # [monotonic s of the late start, gap ms, ms stolen around it], each over 1.5 periods
+            # [monotonic s of the late start, gap ms, ms stolen around it] (and, added outside the
+            # namespace, where the policy process's threads were), each over 1.5 periods
+            "long_gaps": gaps,
             "steal_ms": steal.stolen_ms(t0, t1),   # stolen from all CPUs by the hypervisor in the window
             "steal_chance_near_a_tick": steal.chance_near(inside, period),
             "calls_completed": sum(t0 <= c <= t1 for c in chunks), "cores_used": cpu, "load_average_before": load_before,
@@ -253,6 +262,22 @@ def _window(node, starts: list[int], chunks: list[int], seconds: float, period: 
 
 
 # ------------------------------------------------------------------ outside
+
+def late_ticks(log: Path) -> list[tuple[float, str]]:
+    """(monotonic s, where the other threads were) of each late tick the policy node logged."""
+    out = []
+    for line in log.read_text(errors="replace").splitlines() if log.exists() else []:
+        m = LATE_LINE.search(line)
+        if m:
+            out.append((float(m.group(1)), m.group(2).strip()))
+    return out
+
+
+def where_late(late: list[tuple[float, str]], at_s: float) -> str:
+    """Where the threads were at the late tick logged at ``at_s`` ('' if none was logged then:
+    the log keeps at most one a second)."""
+    near = [w for t, w in late if abs(t - at_s) <= LATE_MATCH_S]
+    return near[0] if near else ""
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -297,6 +322,9 @@ def main() -> int:
         print(out.stdout[-3000:], out.stderr[-5000:], f"node logs: {spec['logs']}", sep="\n", file=sys.stderr)
         return 1
     windows = json.loads(out.stdout.strip().splitlines()[-1])
+    late = late_ticks(Path(spec["logs"]) / "policy_node.log")
+    for w in windows.values():
+        w["long_gaps"] = [g + [where_late(late, g[0])] for g in w["long_gaps"]]
     report = {"profile": str(profile), "checkpoint": str(CHECKPOINT), "threads": args.threads,
               "control_hz": prof["control_hz"], "streaming": prof["streaming"], "cpus": os.cpu_count(),
               "load_average_at_start": load, "measured": "tick callback start, monotonic clock, in the policy node",

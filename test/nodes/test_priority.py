@@ -50,3 +50,26 @@ def test_a_refused_priority_is_logged_not_fatal(monkeypatch, caplog) -> None:
 def test_control_priority_refuses_values_outside_nice(bad) -> None:
     with pytest.raises(ValueError, match="nice"):
         control_priority(bad)
+
+
+def test_control_priority_also_sets_threads_started_before_it() -> None:
+    """The policy node's call thread starts before the profile says the nice value; it is set by
+    its native id (Linux: a nice value per thread), as is the calling thread, while a thread
+    not named keeps its own."""
+    from vla_runtime.nodes.call_thread import CallThread
+
+    current = os.getpriority(os.PRIO_PROCESS, 0)
+    target = min(current + 3, 19)
+    calls, bystander = CallThread("calls"), CallThread("bystander")
+    try:
+        seen: list[int] = []
+        ran = threading.Event()
+        calls.submit(lambda: (seen.append(threading.get_native_id()), ran.set()))
+        assert ran.wait(120.0) and seen == [calls.native_id]
+        out = in_thread(lambda: control_priority(target, threads=[calls.native_id]))
+        assert out["value"] == target and out["now"] == target
+        assert os.getpriority(os.PRIO_PROCESS, calls.native_id) == target
+        assert os.getpriority(os.PRIO_PROCESS, bystander.native_id) == current
+        assert os.getpriority(os.PRIO_PROCESS, 0) == current   # the test's own thread untouched
+    finally:
+        calls.stop(), bystander.stop()

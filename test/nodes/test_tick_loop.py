@@ -73,6 +73,62 @@ def test_a_tick_that_overruns_skips_the_deadlines_it_covered() -> None:
     assert [x - start for x in t.ticks] == [0, 3 * P, 4 * P] and loop.skipped == 2
 
 
+class LateWake(FakeTime):
+    """Every wait wakes on time except the ``late_at``-th, which wakes ``by_ns`` after it."""
+
+    def __init__(self, tick_costs_ns: list[int], late_at: int, by_ns: int) -> None:
+        super().__init__(tick_costs_ns)
+        self.waits, self.late_at, self.by_ns = 0, late_at, by_ns
+
+        self.noted_before_tick: list[int] = []   # late ticks noted when each tick began
+
+    def wait(self, seconds: float) -> bool:
+        self.waits += 1
+        super().wait(seconds)
+        self.now += self.by_ns if self.waits == self.late_at else 0
+        return False
+
+    def tick(self) -> None:
+        self.noted_before_tick.append(self.loop.late.count)
+        super().tick()
+
+
+def hold_the_interpreter_here(parked: threading.Event, release: threading.Event) -> None:
+    parked.set()
+    release.wait()
+
+
+@pytest.mark.parametrize("by_ns, noted", [(P // 2, 0), (P // 2 + 1, 1), (3 * P, 1)])
+def test_a_tick_that_starts_over_half_a_period_late_is_noted_with_where_the_other_threads_were(
+        by_ns: int, noted: int) -> None:
+    """One wake of four comes ``by_ns`` late: half a period is tolerated, anything later is noted
+    once, with its lateness, its start and the innermost frame of the other thread (parked in a
+    function named for it, as a denoising thread sits in the call holding the lock), and only
+    after the late tick ran (the note costs time the tick must not wait for)."""
+    parked, release = threading.Event(), threading.Event()
+    other = threading.Thread(target=hold_the_interpreter_here, args=(parked, release), name="holder")
+    other.start()
+    try:
+        assert parked.wait(120.0)
+        t = LateWake([0, 0, 0, 0], late_at=2, by_ns=by_ns)
+        t.loop = loop = TickLoop(P * 1e-9, t.tick, rt_priority=0, clock=t.clock, wait=t.wait)
+        loop.run()
+    finally:
+        release.set()
+        other.join()
+    assert loop.late.count == len(loop.late.ticks) == noted
+    assert t.noted_before_tick == [0, 0, noted, noted]   # the late tick (the second) ran before its note
+    if noted:
+        late = loop.late.ticks[0]
+        assert late.late_ms == pytest.approx(by_ns * 1e-6) and late.at_s == pytest.approx(t.ticks[1] * 1e-9)
+        holder = [w for w in late.threads if w.startswith("holder")]
+        assert len(holder) == 1 and holder[0].endswith(" <- nodes/test_tick_loop.py:"
+                                                       f"{hold_the_interpreter_here.__code__.co_firstlineno + 2} "
+                                                       "hold_the_interpreter_here")
+        assert not any("where_threads_are" in w for w in late.threads)   # the tick's own thread left out
+        assert "ms late at monotonic" in str(late)
+
+
 def test_a_failing_tick_does_not_end_the_loop() -> None:
     calls = []
 

@@ -44,6 +44,13 @@ class CallThread:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
+    @property
+    def native_id(self) -> int:
+        """The kernel's id of the thread (its CPU priority is set by it: ``priority.control_priority``)."""
+        tid = self._thread.native_id
+        assert tid is not None   # set before Thread.start() in __init__ returned
+        return tid
+
     def submit(self, call: Callable[..., Any], *args: Any, coalesce: bool = False) -> bool:
         """Queue ``call(*args)``; False (and counted in ``dropped``) when the queue is full or the
         thread has stopped. With ``coalesce`` (a call without arguments), True without queuing when

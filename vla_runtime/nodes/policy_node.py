@@ -83,7 +83,8 @@ class PolicyNode(ManagedNode):
         v = self.params
         self.profile, ckpt = profile_and_checkpoint(v)
         prof = self.profile
-        self.nice = control_priority(prof.streaming.policy_nice)
+        # the call thread was started before the profile was known: it is set too (priority.py: why)
+        self.nice = control_priority(prof.streaming.policy_nice, threads=[self.call_thread.native_id])
         policy = load_policy(ckpt, self.profile.engine, [c.name for c in self.profile.cameras], prof.state_dim,
                              role="policy",
                              control_hz=self.profile.control_hz)
@@ -441,11 +442,14 @@ class PolicyNode(ManagedNode):
         return values
 
     def _tick_values(self) -> dict[str, str]:
-        """The control tick's regularity over the last TICK_WINDOW_S, and how it is scheduled."""
-        t = self.ticks.statistics()
+        """The control tick's regularity over the last TICK_WINDOW_S, how it is scheduled, and the
+        last tick that started over half a period late with where the other threads were."""
+        t, loop = self.ticks.statistics(), self.tick_loop
+        late = list(loop.late.ticks) if loop is not None else []
         return {"tick_period_p99_ms": f"{t.p99_ms:.2f}", "tick_period_max_ms": f"{t.max_ms:.2f}",
                 "ticks_missed": str(self.ticks.missed), "tick_scheduling": self._tick_scheduling(),
-                "nice": str(self.nice)}
+                "nice": str(self.nice), "ticks_late": str(loop.late.count if loop is not None else 0),
+                "last_late_tick": str(late[-1]) if late else ""}
 
     def _tick_scheduling(self) -> str:
         loop = self.tick_loop

@@ -14,14 +14,19 @@ starts only once it holds the interpreter lock. Whichever thread of the process 
 (the executor taking a joint state, the denoising call) must get a core to hand it over; at an
 ordinary priority on a loaded machine that thread waits its turn behind every other process,
 and the tick with it (measured with ``bench/control_tick.py``: ticks 100-600 ms late with the
-tick thread alone at real-time priority, load 10 on 2 cores). Threads inherit the nice value of
-the thread that starts them, so the node sets it before it starts any.
+tick thread alone at real-time priority, load 10 on 2 cores). On Linux a nice value belongs to
+a thread, and threads inherit the value of the thread that starts them: so the node sets it
+before it starts its executor and tick threads, and sets it also on the threads it started
+before it knew its profile (``threads``: the call thread that denoises, which holds the lock
+between torch operations; left at nice 0, it waited its turn behind the other processes while
+holding the lock, and the tick with it: ``bench/control_tick.py``'s late ticks named it).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterable
 
 log = logging.getLogger(__name__)
 
@@ -40,16 +45,20 @@ def background_priority(nice: int) -> int:
         return os.getpriority(os.PRIO_PROCESS, 0)
 
 
-def control_priority(nice: int | None) -> int:
-    """Set this process's nice value to ``nice`` (-20..19; None: leave it), for this thread and
-    the threads it starts afterwards; returns the value now in force. A value below the current
-    one needs CAP_SYS_NICE (or RLIMIT_NICE): refused, it is logged, never fatal."""
+def control_priority(nice: int | None, threads: Iterable[int] = ()) -> int:
+    """Set this thread's nice value to ``nice`` (-20..19; None: leave it), so also that of the
+    threads it starts afterwards, and that of the already running ``threads`` (native thread
+    ids); returns this thread's value now in force. A value below the current one needs
+    CAP_SYS_NICE (or RLIMIT_NICE): refused, it is logged, never fatal."""
     if nice is not None and (not isinstance(nice, int) or isinstance(nice, bool) or not -20 <= nice <= 19):
         raise ValueError(f"nice must be null or an int in [-20, 19], got {nice!r}")
-    if nice is not None and nice != os.getpriority(os.PRIO_PROCESS, 0):
+    for tid in (0, *threads) if nice is not None else ():
+        if nice == os.getpriority(os.PRIO_PROCESS, tid):
+            continue
         try:
-            os.setpriority(os.PRIO_PROCESS, 0, nice)
+            os.setpriority(os.PRIO_PROCESS, tid, nice)   # Linux: one thread (0: this one)
         except OSError as e:
             log.warning("could not set the policy node's CPU priority to nice %d (%s): control ticks may start late "
                         "on a loaded machine; grant CAP_SYS_NICE or raise the nice limit (ulimit -e)", nice, e)
+            break
     return os.getpriority(os.PRIO_PROCESS, 0)

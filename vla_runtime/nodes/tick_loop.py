@@ -15,6 +15,9 @@ started 30-100 ms late, and ticks were missed, with or without a call running. H
 
 With ``use_sim_time`` the node keeps an rclpy timer instead: simulated time is not the
 monotonic clock this schedule sleeps on.
+
+A tick that starts more than half a period late is noted with where the process's threads
+were and how long each waited for a CPU (``late_ticks.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+
+from .late_ticks import LateTickWatch
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +81,8 @@ class TickLoop:
         self._thread: threading.Thread | None = None
         self.priority_problem = ""
         self.skipped = 0   # deadlines passed over because the tick before them ran late
+        self.late_after_ns = self.period_ns // 2   # a start later than this after its deadline is noted
+        self.late = LateTickWatch()
 
     def start(self) -> None:
         if self._thread is not None:
@@ -107,10 +114,15 @@ class TickLoop:
                 return
             if self._stop.is_set():
                 return
+            started = self.clock()
+            where = self.late.where() if started - deadline > self.late_after_ns else None
             try:
                 self.tick()
             except Exception:   # noqa: BLE001 - the loop outlives one bad tick (the tick logs its own errors)
                 log.exception("control tick failed")
+            if where is not None:   # the rest of the note after the tick (late_ticks.LateTickWatch: why)
+                self.late.note(started, started - deadline, where)
+            self.late.mark()
             nxt = next_deadline(deadline, self.clock(), self.period_ns)
             self.skipped += (nxt - deadline) // self.period_ns - 1
             deadline = nxt
