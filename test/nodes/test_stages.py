@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -106,3 +107,47 @@ def test_a_profile_without_rho_p_runs_the_fraction_the_repository_was_profiled_a
             profiled.check(res, pipeline.last_choice, frame, episode.task)
             served += bool(res.cached and res.meta.context_cache)
     assert served >= 1
+
+
+def test_the_reference_is_chosen_while_the_vision_tower_runs_its_later_layers(demo):
+    """rMuscle §5: selection starts at the tower's retrieval layer and overlaps its later layers.
+    The first layer after the retrieval layer waits (up to 120 s, a bound against hanging) until
+    the selection has entered ``choose`` on its own thread: had selection started only after the
+    tower, every wait would run out. The calls still select (some are served by a reference)."""
+    rings = RingNames(f"t{os.getpid()}_ovl_p", f"t{os.getpid()}_ovl_w")
+    with LocalPipeline(PipelineSpec(Path(demo["checkpoint"]), CAMS, CacheSpec(enabled=True, repository=str(demo["repo"])),
+                                    rings=rings, seed=3, time_available_s=10.0)) as pipeline:
+        stage = pipeline.vision
+        model = stage.worker.engine.model
+        choosing, waited, chooser = threading.Event(), [], []
+        encoding = threading.local()
+        choose, encode = stage.selector.choose, stage.encode
+
+        def choose_and_say(*args):
+            chooser.append(threading.current_thread().name)
+            choosing.set()
+            return choose(*args)
+
+        def encode_marked(*args):
+            encoding.on = True
+            try:
+                return encode(*args)
+            finally:
+                encoding.on = False
+
+        def after_the_retrieval_layer(_module, _inputs):
+            if getattr(encoding, "on", False):   # not the cache manager's rebuilds on the same model
+                waited.append(choosing.wait(120.0))
+                choosing.clear()
+
+        stage.selector.choose, stage.encode = choose_and_say, encode_marked
+        hook = model.vision.layers[model.cfg.retrieval_layer].register_forward_pre_hook(after_the_retrieval_layer)
+        try:
+            pipeline.start_episode(demo["episode"].task)
+            results = [pipeline.call(f.images, np.asarray(f.state), demo["episode"].task)
+                       for f in demo["episode"].frames]
+        finally:
+            hook.remove()
+    assert waited == [True] * len(demo["episode"].frames)
+    assert set(chooser) == {n for n in chooser if n.startswith("vision-select")} and len(chooser) == len(waited)
+    assert any(r.cached for r in results)

@@ -13,6 +13,7 @@ schedule separately:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -151,11 +152,16 @@ class Pi05Model(nn.Module):
         return 0 if not self.caches else self.caches[0].k.shape[0]
 
     # ----------------------------------------------------------------- phase 1: vision
-    def embed_images(self, images: Tensor, tap_layer: int | None = None) -> tuple[Tensor, Tensor | None]:
-        """images [B, N, 3, H, W] in [-1, 1] -> ([B, N * patches, W_vlm], tapped vision features or None)."""
+    def embed_images(self, images: Tensor, tap_layer: int | None = None,
+                     on_tap: Callable[[Tensor], None] | None = None) -> tuple[Tensor, Tensor | None]:
+        """images [B, N, 3, H, W] in [-1, 1] -> ([B, N * patches, W_vlm], tapped vision features or None).
+
+        ``on_tap``: called with the tapped features ([B, N, patches, width]) as soon as the tower
+        computed them, while its later layers still run (``SiglipVisionTower.forward``)."""
         self.require(ModelPart.VISION, phase="embed_images")
         b, n = images.shape[:2]
-        feats, tapped = self.vision(images.flatten(0, 1).to(self.projector.weight.dtype), tap_layer)
+        tap = None if on_tap is None else (lambda t: on_tap(t.view(b, n, *t.shape[1:])))
+        feats, tapped = self.vision(images.flatten(0, 1).to(self.projector.weight.dtype), tap_layer, tap)
         tokens = self.projector(feats)
         tokens = tokens.view(b, n * tokens.shape[1], tokens.shape[2])
         if tapped is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -48,12 +50,19 @@ class SiglipVisionTower(nn.Module):
         self.layers = nn.ModuleList(SiglipLayer(cfg) for _ in range(cfg.depth))
         self.post_layernorm = nn.LayerNorm(cfg.width, eps=cfg.norm_eps)
 
-    def forward(self, images: Tensor, tap_layer: int | None = None) -> tuple[Tensor, Tensor | None]:
-        """images [B, 3, H, W] in [-1, 1] -> ([B, patches, width], tapped hidden state or None)."""
+    def forward(self, images: Tensor, tap_layer: int | None = None,
+                on_tap: Callable[[Tensor], None] | None = None) -> tuple[Tensor, Tensor | None]:
+        """images [B, 3, H, W] in [-1, 1] -> ([B, patches, width], tapped hidden state or None).
+
+        ``on_tap`` is called with the tapped state as soon as layer ``tap_layer`` produced it,
+        before the layers after it run (reference selection starts there: rMuscle §5). No layer
+        writes into its input, so the tapped state stays as it was."""
         x = self.patch_embedding(images).flatten(2).transpose(1, 2) + self.position_embedding
         tapped = None
         for i, layer in enumerate(self.layers, start=1):
             x = layer(x)
             if i == tap_layer:
                 tapped = x
+                if on_tap is not None:
+                    on_tap(tapped)
         return self.post_layernorm(x), tapped

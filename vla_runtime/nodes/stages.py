@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from ..cache.builder import model_summary
 from ..cache.halves import choose_rho_p, resolve_halves
@@ -222,10 +224,12 @@ class VisionStage:
         self.rings = rings
         self.cache_reason = "cache off" if cc is None else cc.reason   # which halves run and why (diagnostics)
         self.selector: WindowSelector | None = None
+        self._selection: ThreadPoolExecutor | None = None   # selection's thread, beside the vision tower's
         if cc is not None and not cc.dense and repo is not None:
             try:
                 self.selector = WindowSelector(repo, manager_config(cache, repo, arm_slices).retrieval,
                                                rings.working_set, cache.first_search_wait_s)
+                self._selection = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vision-select")
             except ValueError as e:
                 log.warning("muscle-memory cache disabled, running dense: %s", e)
         self.prefix = RingBuffer.create(rings.prefix, prefix_layout(self.worker.spec), slots, replace_stale=True)
@@ -235,15 +239,33 @@ class VisionStage:
 
     def encode(self, req: PrefixRequestNote, images: dict[str, np.ndarray]) -> SlotNote:
         """One call's prefix; with the cache on, ``last_selection`` then says what was chosen (the
-        note for the cache manager, which slides its window after the call)."""
+        note for the cache manager, which slides its window after the call).
+
+        The reference is chosen on a thread of its own from the moment the vision tower's
+        retrieval layer is done, while the tower's later layers and projector run (rMuscle §5:
+        retrieval overlaps the rest of vision encoding); the ``select`` phase is what is left of
+        it after the tower, its cost on the call's path. Both threads release the interpreter in
+        torch's kernels, so on a CPU the two run on two cores where the machine has one free."""
         timer = PhaseTimer(self.worker.engine.device)
         obs = Observation(images=images, state=list(req.state), task=req.task)
-        vp = self.worker.embed(obs, timer)
         choice: Choice | None = None
         self.last_choice = self.last_selection = None
+        selecting: list[Future[Choice]] = []
+
+        def select(features: Tensor) -> None:   # the tower's retrieval layer is done; its later layers run on
+            assert self.selector is not None and self._selection is not None
+            selecting.append(self._selection.submit(self.selector.choose, req.request_seq, req.task, req.episode,
+                                                    features, req.state))
+        try:
+            vp = self.worker.embed(obs, timer, on_features=select if self.selector is not None else None)
+        except BaseException:
+            for f in selecting:   # never leave a selection running behind a failed call
+                f.exception()
+            raise
         if self.selector is not None:
-            with timer.phase("select"):
-                choice = self.selector.choose(req.request_seq, req.task, req.episode, vp.features, req.state)
+            with timer.phase("select"):   # what is left of the selection after the tower: its cost on the path
+                choice = selecting[0].result() if selecting else self.selector.choose(
+                    req.request_seq, req.task, req.episode, vp.features, req.state)
         reference = choice.entry if choice is not None else None
         with self.prefix.begin_write() as writer:
             out = {f.name: writer[f.name] for f in self.prefix.layout.fields}
@@ -286,6 +308,8 @@ class VisionStage:
 
     def close(self) -> None:
         self.prefix.close()
+        if self._selection is not None:
+            self._selection.shutdown(wait=True)
         if self.selector is not None:
             self.selector.close()
 

@@ -14,6 +14,7 @@ tests drive the same code; only how the small notifications travel differs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import MISSING, dataclass, fields
 from typing import ContextManager
@@ -146,12 +147,16 @@ class VisionWorker:
         return timer.phase(name) if timer is not None else nullcontext()
 
     @torch.no_grad()
-    def embed(self, obs: Observation, timer: PhaseTimer | None = None) -> VisionPass:
-        """Validate the observation and run the vision tower (``"vision"`` phase)."""
+    def embed(self, obs: Observation, timer: PhaseTimer | None = None,
+              on_features: Callable[[Tensor], None] | None = None) -> VisionPass:
+        """Validate the observation and run the vision tower (``"vision"`` phase). ``on_features``
+        gets the retrieval features ([N, patches, vision width]) as soon as the tower computed
+        them, while its later layers still run (the reference is chosen meanwhile)."""
         m = self.engine.model
+        tap = None if on_features is None else (lambda t: on_features(t[0]))
         with self._phase(timer, "vision"):
             inputs = self.policy.prepare(obs)
-            image_tokens, tapped = m.embed_images(inputs.images.to(self.engine.device), m.cfg.retrieval_layer)
+            image_tokens, tapped = m.embed_images(inputs.images.to(self.engine.device), m.cfg.retrieval_layer, tap)
         return VisionPass(inputs, image_tokens, tapped[0])
 
     @torch.no_grad()
