@@ -57,9 +57,12 @@ def runqueue_wait_ns() -> dict[int, int]:
     for t in threading.enumerate():
         if t.native_id is None:
             continue
-        try:
-            with open(f"/proc/self/task/{t.native_id}/schedstat", "rb") as f:
-                out[t.native_id] = int(f.read().split()[1])
+        try:   # os.open/read: a buffered file object costs about twice as much (read every tick)
+            fd = os.open(f"/proc/self/task/{t.native_id}/schedstat", os.O_RDONLY)
+            try:
+                out[t.native_id] = int(os.read(fd, 256).split()[1])
+            finally:
+                os.close(fd)
         except (OSError, ValueError, IndexError):
             continue
     return out
