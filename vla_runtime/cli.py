@@ -225,7 +225,9 @@ def _eval(args: argparse.Namespace) -> int:
     band = lambda text: tuple(float(x) for x in text.split(","))  # noqa: E731
     spec = EvalSpec(checkpoint=args.checkpoint, out=args.out, tasks=tuple(args.task) if args.task else EvalSpec.tasks,
                     episodes=args.episodes, eval_seed=args.eval_seed, reference_episodes=args.reference_episodes,
-                    reference_seed=args.reference_seed, reference_tail_calls=args.reference_tail_calls,
+                    reference_seed=args.reference_seed,
+                    reference_tail_calls=(EvalSpec.reference_tail_calls if args.reference_tail_calls is None
+                                          else args.reference_tail_calls),
                     pose_band=band(args.pose_band),
                     reference_band=band(args.reference_band), n_execute=args.n_execute, max_steps=args.max_steps,
                     processes=args.processes, modes=tuple(args.modes.split(",")), repository=args.repository,
@@ -427,9 +429,10 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--reference-episodes", dest="reference_episodes", type=int, default=10,
                     help="dense episodes per task recorded to build the repository (disjoint seeds)")
     ev.add_argument("--reference-seed", dest="reference_seed", type=int, default=50_000, help="first reference seed")
-    ev.add_argument("--reference-tail-calls", dest="reference_tail_calls", type=int, default=0,
+    ev.add_argument("--reference-tail-calls", dest="reference_tail_calls", type=int, default=None,
                     help="policy calls recorded past each reference's success (the robot at the goal): an episode "
-                         "near the goal then matches more than the references' last call")
+                         "near the goal then matches more than the references' last call (default 5; 0: up to "
+                         "the success)")
     ev.add_argument("--pose-band", dest="pose_band", default="0,1",
                     help="inner,outer normalised band of the evaluation object poses (e.g. 0.7,1 = held out)")
     ev.add_argument("--reference-band", dest="reference_band", default="0,1", help="band of the reference poses")
@@ -461,9 +464,10 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--first-scene-floor", dest="first_scene_floor", action="store_true",
                     help="also fall back when an episode's first scene is less similar to the repository than "
                          "any reference's first scene is to the others (cache.first_scene_floor)")
-    ev.add_argument("--max-end-matches", dest="max_end_matches", type=int, default=CacheSpec.max_end_matches,
+    ev.add_argument("--max-end-matches", dest="max_end_matches", type=int, default=None,
                     help="fall back when an episode matches references' last calls more often than this "
-                         "(past the references; cache.max_end_matches; 0: no limit)")
+                         "(past the references; cache.max_end_matches; 0: no limit). Default: no limit for "
+                         f"references recorded here past their success, else {CacheSpec.max_end_matches}")
     ev.add_argument("--seed", type=int, default=0,
                     help="policy noise seed (both modes draw the same noise on an episode seed; another --seed "
                          "draws other noise)")

@@ -18,12 +18,13 @@ from vla_runtime.cache.repository import ReferenceRepository
 from vla_runtime.engine.policy import Pi05Policy
 from vla_runtime.io.bags import write_episode_bag
 from vla_runtime.models.config import preset
-from vla_runtime.nodes.profile import EngineSpec
+from vla_runtime.nodes.profile import CacheSpec, EngineSpec
 from vla_runtime.sim.metaworld_env import DEFAULT_CAMERAS, TASK_INSTRUCTIONS, MetaWorldConfig, MetaWorldTask, bag_topics
 from vla_runtime.commands.demo import write_random_checkpoint
 from vla_runtime.commands import eval as eval_tool
 from vla_runtime.testing.progress import RecordingBars
-from vla_runtime.commands.eval import EpisodeResult, EvalSpec, evaluate, paired, pool, summary as eval_summary
+from vla_runtime.commands.eval import (DEFAULT_REFERENCE_TAIL_CALLS, EpisodeResult, EvalSpec, evaluate, paired, pool,
+                                       summary as eval_summary)
 from vla_runtime.commands.eval import table as eval_table
 from vla_runtime.training.metaworld_demos import ACTION_TOPIC, record_episode
 
@@ -125,6 +126,12 @@ def test_eval_reports_consistent_numbers(setup):
     c, pr = report["comparison"], report["comparison"]["paired"]["overall"]
     assert f"({c['speedup_per_call']:.2f}x)" in paragraph.replace("\n", " ")
     assert f"On the same {pr['pairs']} seeds" in paragraph
+    # the net per call counts what the selection, begun beside the vision tower, took from the tower
+    dp, cp = (report["modes"][m]["overall"]["mean_phase_s"] for m in ("dense", "cached"))
+    net = (dp["prefill"] + dp["denoise"] - cp["prefill"] - cp["denoise"] - cp.get("select", 0.0)
+           - (cp["vision"] - dp["vision"]))
+    assert f"Net, the cache {'saves' if net > 0 else 'costs'} {abs(net) * 1e3:.1f} ms per call" in \
+        paragraph.replace("\n", " ")
 
 
 def test_eval_refuses_overlapping_seeds(setup, tmp_path):
@@ -396,3 +403,20 @@ def test_references_recorded_past_their_success_go_on_for_the_tail_calls(succeed
 def test_tail_calls_are_validated(tmp_path):
     with pytest.raises(ValueError, match="reference_tail_calls must be an int >= 0, got -1"):
         EvalSpec(checkpoint=tmp_path, out=tmp_path, reference_tail_calls=-1)
+
+
+def test_the_fallback_past_the_references_is_off_only_for_references_recorded_here_past_their_success(setup):
+    """References eval records go on ``DEFAULT_REFERENCE_TAIL_CALLS`` calls past their success, and
+    then need no fallback past the references (at pi05-mw: 99.7 % of calls cached at the success
+    of the run with the fallback, docs/cache.md); a given repository or dataset may hold references
+    that end at their success, so it keeps the profile's default, as does a run recording up to
+    the success; a value given always wins."""
+    base = dict(checkpoint=setup["checkpoint"], out=setup["root"] / "x")
+    assert EvalSpec(**base).reference_tail_calls == DEFAULT_REFERENCE_TAIL_CALLS > 0
+    assert EvalSpec(**base).max_end_matches == 0
+    assert EvalSpec(**base, reference_tail_calls=0).max_end_matches == CacheSpec.max_end_matches > 0
+    assert EvalSpec(**base, repository=setup["repo"]).max_end_matches == CacheSpec.max_end_matches
+    assert EvalSpec(**base, reference_dataset=setup["root"]).max_end_matches == CacheSpec.max_end_matches
+    assert EvalSpec(**base, max_end_matches=2).max_end_matches == 2
+    with pytest.raises(ValueError, match="max_end_matches"):
+        EvalSpec(**base, max_end_matches=-1)

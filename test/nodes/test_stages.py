@@ -109,24 +109,42 @@ def test_a_profile_without_rho_p_runs_the_fraction_the_repository_was_profiled_a
     assert served >= 1
 
 
+def _cached_pipeline(demo: dict, tag: str) -> LocalPipeline:
+    rings = RingNames(f"t{os.getpid()}_{tag}_p", f"t{os.getpid()}_{tag}_w")
+    return LocalPipeline(PipelineSpec(Path(demo["checkpoint"]), CAMS,
+                                      CacheSpec(enabled=True, repository=str(demo["repo"])),
+                                      rings=rings, seed=3, time_available_s=10.0))
+
+
+def _say_who_chooses(stage, chooser: list[str], entered: threading.Event | None = None) -> None:
+    """Wrap the stage's ``choose``: each call appends its thread's name (and sets ``entered``)."""
+    choose = stage.selector.choose
+
+    def choose_and_say(*args):
+        chooser.append(threading.current_thread().name)
+        if entered is not None:
+            entered.set()
+        return choose(*args)
+
+    stage.selector.choose = choose_and_say
+
+
+def _episode_calls(pipeline: LocalPipeline, demo: dict) -> list:
+    pipeline.start_episode(demo["episode"].task)
+    return [pipeline.call(f.images, np.asarray(f.state), demo["episode"].task) for f in demo["episode"].frames]
+
+
 def test_the_reference_is_chosen_while_the_vision_tower_runs_its_later_layers(demo):
     """rMuscle §5: selection starts at the tower's retrieval layer and overlaps its later layers.
     The first layer after the retrieval layer waits (up to 120 s, a bound against hanging) until
     the selection has entered ``choose`` on its own thread: had selection started only after the
     tower, every wait would run out. The calls still select (some are served by a reference)."""
-    rings = RingNames(f"t{os.getpid()}_ovl_p", f"t{os.getpid()}_ovl_w")
-    with LocalPipeline(PipelineSpec(Path(demo["checkpoint"]), CAMS, CacheSpec(enabled=True, repository=str(demo["repo"])),
-                                    rings=rings, seed=3, time_available_s=10.0)) as pipeline:
+    with _cached_pipeline(demo, "ovl") as pipeline:
         stage = pipeline.vision
         model = stage.worker.engine.model
         choosing, waited, chooser = threading.Event(), [], []
         encoding = threading.local()
-        choose, encode = stage.selector.choose, stage.encode
-
-        def choose_and_say(*args):
-            chooser.append(threading.current_thread().name)
-            choosing.set()
-            return choose(*args)
+        encode = stage.encode
 
         def encode_marked(*args):
             encoding.on = True
@@ -140,14 +158,46 @@ def test_the_reference_is_chosen_while_the_vision_tower_runs_its_later_layers(de
                 waited.append(choosing.wait(120.0))
                 choosing.clear()
 
-        stage.selector.choose, stage.encode = choose_and_say, encode_marked
+        _say_who_chooses(stage, chooser, choosing)
+        stage.encode = encode_marked
+        stage.OVERLAP_MIN_TAIL_S = 0.0   # the tiny test tower's tail is shorter than any real one
         hook = model.vision.layers[model.cfg.retrieval_layer].register_forward_pre_hook(after_the_retrieval_layer)
         try:
-            pipeline.start_episode(demo["episode"].task)
-            results = [pipeline.call(f.images, np.asarray(f.state), demo["episode"].task)
-                       for f in demo["episode"].frames]
+            results = _episode_calls(pipeline, demo)
         finally:
             hook.remove()
     assert waited == [True] * len(demo["episode"].frames)
     assert set(chooser) == {n for n in chooser if n.startswith("vision-select")} and len(chooser) == len(waited)
     assert any(r.cached for r in results)
+
+
+def test_a_selection_whose_thread_never_started_is_run_by_the_call_itself(demo):
+    """The selection's thread is kept busy (as when no core is free for it): the call does not wait
+    for it but takes its selection back and chooses on its own thread, with the same outcome
+    (the calls are served by references as usual)."""
+    with _cached_pipeline(demo, "stl") as pipeline:
+        stage, release, chooser = pipeline.vision, threading.Event(), []
+        _say_who_chooses(stage, chooser)
+        stage.OVERLAP_MIN_TAIL_S = 0.0
+        busy = stage._selection.submit(release.wait, 120.0)   # the only worker, held for the whole run
+        try:
+            results = _episode_calls(pipeline, demo)
+        finally:
+            release.set()
+            busy.result()
+    assert len(chooser) == len(results) and not any(n.startswith("vision-select") for n in chooser)
+    assert any(r.cached for r in results)
+
+
+def test_a_tower_whose_tail_is_short_gets_its_selection_in_series(demo):
+    """A tower whose layers after the retrieval layer take less than ``OVERLAP_MIN_TAIL_S`` (here
+    every tower: the bound is an hour) is not worth a hand-off to another thread: every call
+    chooses on its own thread, after the tower, and the measured tail is kept."""
+    with _cached_pipeline(demo, "ser") as pipeline:
+        stage, chooser = pipeline.vision, []
+        _say_who_chooses(stage, chooser)
+        stage.OVERLAP_MIN_TAIL_S = 3600.0
+        results = _episode_calls(pipeline, demo)
+        tail = stage.tower_tail_s
+    assert len(chooser) == len(results) and not any(n.startswith("vision-select") for n in chooser)
+    assert 0.0 < tail < 3600.0 and any(r.cached for r in results)

@@ -55,6 +55,9 @@ CALL_PERIOD_S = 0.5    # bag time between the recorded calls of a reference epis
 MODES = ("dense", "cached", "resampled")   # resampled: the dense policy drawing other noise (a baseline)
 CACHES = ("context", "action")
 DEFAULT_RHO_N = 0.5   # rMuscle's default, used when nothing is profiled (rho_p: halves.DEFAULT_RHO_P)
+# References recorded here go on 5 calls past their success; with them the fallback past the
+# references is not needed (``EvalSpec.max_end_matches``): docs/cache.md, coverage at pi05-mw.
+DEFAULT_REFERENCE_TAIL_CALLS = 5
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,7 @@ class EvalSpec:
     eval_seed: int = 100_000
     reference_episodes: int = 10          # dense episodes per task recorded for the repository
     reference_seed: int = 50_000
-    reference_tail_calls: int = 0         # calls recorded past a reference's success (the robot at the goal)
+    reference_tail_calls: int = DEFAULT_REFERENCE_TAIL_CALLS   # calls recorded past a reference's success
     pose_band: tuple[float, float] = (0.0, 1.0)            # evaluation poses (normalised band)
     reference_band: tuple[float, float] = (0.0, 1.0)       # reference poses
     cameras: tuple[str, ...] = DEFAULT_CAMERAS
@@ -84,7 +87,9 @@ class EvalSpec:
     caches: tuple[str, ...] = CACHES      # which halves of the cache the cached mode runs (ablations)
     min_similarity: float = CacheSpec.min_similarity    # fallback: every query (the profile's default)
     first_scene_floor: bool = False       # fallback: an episode's first scene below the repository's floor
-    max_end_matches: int = CacheSpec.max_end_matches    # fallback: past the references (the profile's default)
+    # fallback past the references; None: none (0) for references recorded here past their success,
+    # else the profile's default (a given repository or dataset: its references may end at success)
+    max_end_matches: int | None = None
     seed: int = 0                         # policy noise seed
     engine: EngineSpec = field(default_factory=EngineSpec)
 
@@ -112,6 +117,9 @@ class EvalSpec:
         if isinstance(self.reference_tail_calls, bool) or not isinstance(self.reference_tail_calls, int) \
                 or self.reference_tail_calls < 0:
             raise ValueError(f"reference_tail_calls must be an int >= 0, got {self.reference_tail_calls!r}")
+        if self.max_end_matches is None:
+            recorded_past = self.repository is None and self.reference_dataset is None and self.reference_tail_calls > 0
+            object.__setattr__(self, "max_end_matches", 0 if recorded_past else CacheSpec.max_end_matches)
         if self.max_end_matches < 0:
             raise ValueError(f"max_end_matches must be >= 0 (0: no limit), got {self.max_end_matches}")
         if "cached" in self.modes and self.repository is None and self.reference_dataset is None \
@@ -615,7 +623,8 @@ def reading(report: dict[str, Any]) -> str:
         select = cp.get("select", 0.0)
         text = (f"The cache shortens only the prefill and the denoising, {_ms(shortened)} of a dense call "
                 f"({shortened / d['mean_call_s']:.0%}); it {'saved' if saved >= 0 else 'added'} "
-                f"{_ms(abs(saved))} there, and choosing the reference adds {_ms(select)} to every call")
+                f"{_ms(abs(saved))} there, and choosing the reference, begun beside the vision tower, holds "
+                f"every call up {_ms(select)} after it")
         repo = report.get("repository", {})
         point = next((p for p in repo.get("profile") or [] if (p["rho_p"], p["rho_n"]) ==
                       (repo.get("rho_p"), repo.get("rho_n"))), None)
@@ -626,8 +635,11 @@ def reading(report: dict[str, Any]) -> str:
                      f"at best) and measured {point['median_speedup']:.2f}x when profiled"
                      + (": at this size gathering the rows and neurons to skip costs much of what skipping them "
                         "saves" if point["median_speedup"] < ideal else ""))
-        net = saved - select
-        text += (f". Net, the cache {'saves' if net > 0 else 'costs'} {_ms(abs(net))} per call here; it saves "
+        # the selection runs beside the vision tower: what it takes from the tower shows in the vision phase
+        beside = cp.get("vision", 0.0) - dp.get("vision", 0.0)
+        net = saved - select - beside
+        text += (f"; the vision phase took {_ms(abs(beside))} {'longer' if beside >= 0 else 'less'} than dense"
+                 f". Net, the cache {'saves' if net > 0 else 'costs'} {_ms(abs(net))} per call here; it saves "
                  "feed-forward work, which grows with the model's width (full-width figures: docs/cache.md).")
         parts.append(text)
     if (auto := report.get("auto")) is not None:

@@ -212,9 +212,13 @@ def _current_ring(ring: RingBuffer | None, name: str, layout: SlotLayout) -> Rin
 
 # ---------------------------------------------------------------- vision
 
+TAIL_EMA = 0.2   # weight of a call's measured tower tail in ``VisionStage.tower_tail_s``
+
 class VisionStage:
     """Images + a prefix request -> a prefix slot, with the Context Cache when the window the
     cache manager publishes holds a similar reference (selected here, never asked for)."""
+
+    OVERLAP_MIN_TAIL_S = 0.005   # the tower's tail after its retrieval layer that the selection runs beside
 
     def __init__(self, policy: Pi05Policy, rings: RingNames = RingNames(), slots: int = 4,
                  cache: CacheSpec | None = None, arm_slices: tuple[tuple[int, int], ...] = ()):
@@ -225,6 +229,7 @@ class VisionStage:
         self.cache_reason = "cache off" if cc is None else cc.reason   # which halves run and why (diagnostics)
         self.selector: WindowSelector | None = None
         self._selection: ThreadPoolExecutor | None = None   # selection's thread, beside the vision tower's
+        self.tower_tail_s = 0.0   # the tower's time after its retrieval layer (moving average; encode: why)
         if cc is not None and not cc.dense and repo is not None:
             try:
                 self.selector = WindowSelector(repo, manager_config(cache, repo, arm_slices).retrieval,
@@ -245,25 +250,40 @@ class VisionStage:
         retrieval layer is done, while the tower's later layers and projector run (rMuscle §5:
         retrieval overlaps the rest of vision encoding); the ``select`` phase is what is left of
         it after the tower, its cost on the call's path. Both threads release the interpreter in
-        torch's kernels, so on a CPU the two run on two cores where the machine has one free."""
+        torch's kernels, so on a CPU the two run on two cores where the machine has one free. A
+        selection whose thread has not started by the time the tower is done (no core was free
+        for it) is taken back and run here. And only a tower whose layers after the retrieval
+        layer take at least ``OVERLAP_MIN_TAIL_S`` (measured on every call, ``tower_tail_s``) gets
+        the selection beside it: a shorter tail hides less than handing the selection to another
+        thread can cost on a busy machine (``pi05-mw``, a 1 ms tail: one call in ten waited 5-11 ms
+        for its selection's thread, against 0.9 ms for the selection itself; ``pi05-small``, 60
+        ms: the selection's 1.8 ms were hidden)."""
         timer = PhaseTimer(self.worker.engine.device)
         obs = Observation(images=images, state=list(req.state), task=req.task)
         choice: Choice | None = None
         self.last_choice = self.last_selection = None
         selecting: list[Future[Choice]] = []
 
+        tapped_at: list[float] = []
+
         def select(features: Tensor) -> None:   # the tower's retrieval layer is done; its later layers run on
             assert self.selector is not None and self._selection is not None
-            selecting.append(self._selection.submit(self.selector.choose, req.request_seq, req.task, req.episode,
-                                                    features, req.state))
+            tapped_at.append(time.perf_counter())
+            if self.tower_tail_s >= self.OVERLAP_MIN_TAIL_S:
+                selecting.append(self._selection.submit(self.selector.choose, req.request_seq, req.task,
+                                                        req.episode, features, req.state))
         try:
             vp = self.worker.embed(obs, timer, on_features=select if self.selector is not None else None)
         except BaseException:
             for f in selecting:   # never leave a selection running behind a failed call
                 f.exception()
             raise
+        if tapped_at:
+            self.tower_tail_s += TAIL_EMA * (time.perf_counter() - tapped_at[0] - self.tower_tail_s)
         if self.selector is not None:
             with timer.phase("select"):   # what is left of the selection after the tower: its cost on the path
+                if selecting and selecting[0].cancel():   # its thread never got a core: chosen here instead
+                    selecting.clear()
                 choice = selecting[0].result() if selecting else self.selector.choose(
                     req.request_seq, req.task, req.episode, vp.features, req.state)
         reference = choice.entry if choice is not None else None
