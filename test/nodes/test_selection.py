@@ -232,3 +232,36 @@ def _rebuilt(manager: CacheManager, repo: ReferenceRepository, key):
                               call.token_mask, call.masks)
     entry.retrieval, entry.state_history = call.retrieval, call.state_history
     return entry
+
+
+def test_beside_tower_runs_the_selection_on_its_thread_only_after_a_long_enough_tail():
+    """No tail measured yet: the tap starts nothing and ``finish`` chooses on the caller's thread,
+    then keeps the measured tail; with the bound at zero the tap starts the selection on the
+    ``vision-select`` thread and ``finish`` returns its result; ``abandon`` waits for it."""
+    import threading
+    import time
+
+    from vla_runtime.nodes.selection import BesideTower
+
+    beside, ran = BesideTower(), []
+
+    def choose(features):
+        ran.append((threading.current_thread().name, features))
+        return f"chose {features}"
+
+    try:
+        on_tap = beside.start(choose)
+        on_tap("a")
+        time.sleep(0.002)   # the tower's tail
+        assert beside.finish(lambda: choose("a, here")) == "chose a, here"
+        assert [n for n, _ in ran] == [threading.current_thread().name] and beside.tail_s > 0.0
+        beside.MIN_TAIL_S = 0.0
+        beside.start(choose)("b")
+        assert beside.finish(lambda: choose("never")) == "chose b" and ran[-1][0].startswith("vision-select")
+        release = threading.Event()
+        beside.start(lambda f: (release.wait(120.0), choose(f))[1])("c")
+        threading.Timer(0.05, release.set).start()
+        beside.abandon()   # returns once the selection in flight is done
+        assert ran[-1][1] == "c"
+    finally:
+        beside.close()

@@ -160,7 +160,7 @@ def test_the_reference_is_chosen_while_the_vision_tower_runs_its_later_layers(de
 
         _say_who_chooses(stage, chooser, choosing)
         stage.encode = encode_marked
-        stage.OVERLAP_MIN_TAIL_S = 0.0   # the tiny test tower's tail is shorter than any real one
+        stage.beside.MIN_TAIL_S = 0.0   # the tiny test tower's tail is shorter than any real one
         hook = model.vision.layers[model.cfg.retrieval_layer].register_forward_pre_hook(after_the_retrieval_layer)
         try:
             results = _episode_calls(pipeline, demo)
@@ -178,8 +178,8 @@ def test_a_selection_whose_thread_never_started_is_run_by_the_call_itself(demo):
     with _cached_pipeline(demo, "stl") as pipeline:
         stage, release, chooser = pipeline.vision, threading.Event(), []
         _say_who_chooses(stage, chooser)
-        stage.OVERLAP_MIN_TAIL_S = 0.0
-        busy = stage._selection.submit(release.wait, 120.0)   # the only worker, held for the whole run
+        stage.beside.MIN_TAIL_S = 0.0
+        busy = stage.beside._pool.submit(release.wait, 120.0)   # the only worker, held for the whole run
         try:
             results = _episode_calls(pipeline, demo)
         finally:
@@ -190,14 +190,14 @@ def test_a_selection_whose_thread_never_started_is_run_by_the_call_itself(demo):
 
 
 def test_a_tower_whose_tail_is_short_gets_its_selection_in_series(demo):
-    """A tower whose layers after the retrieval layer take less than ``OVERLAP_MIN_TAIL_S`` (here
+    """A tower whose layers after the retrieval layer take less than ``BesideTower.MIN_TAIL_S`` (here
     every tower: the bound is an hour) is not worth a hand-off to another thread: every call
     chooses on its own thread, after the tower, and the measured tail is kept."""
     with _cached_pipeline(demo, "ser") as pipeline:
         stage, chooser = pipeline.vision, []
         _say_who_chooses(stage, chooser)
-        stage.OVERLAP_MIN_TAIL_S = 3600.0
+        stage.beside.MIN_TAIL_S = 3600.0
         results = _episode_calls(pipeline, demo)
-        tail = stage.tower_tail_s
+        tail = stage.beside.tail_s
     assert len(chooser) == len(results) and not any(n.startswith("vision-select") for n in chooser)
     assert 0.0 < tail < 3600.0 and any(r.cached for r in results)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -41,7 +40,7 @@ from ..models.parts import role_parts
 from .devices import cpu_latency_note, measured_cpu_gflops, resolve_device
 from .profile import CacheSpec, EngineSpec
 from .prefix_ring import DEFAULT_RING, prefix_layout
-from .selection import Choice, WindowSelector
+from .selection import BesideTower, Choice, WindowSelector
 from .workers import (CacheWorker, PolicyWorker, PrefixMeta, PrefixSlotSpec, ReferenceChoice, VisionWorker)
 from .working_set import DEFAULT_WORKING_SET, SharedEntryStore, window_state, working_set_layout
 
@@ -212,13 +211,9 @@ def _current_ring(ring: RingBuffer | None, name: str, layout: SlotLayout) -> Rin
 
 # ---------------------------------------------------------------- vision
 
-TAIL_EMA = 0.2   # weight of a call's measured tower tail in ``VisionStage.tower_tail_s``
-
 class VisionStage:
     """Images + a prefix request -> a prefix slot, with the Context Cache when the window the
     cache manager publishes holds a similar reference (selected here, never asked for)."""
-
-    OVERLAP_MIN_TAIL_S = 0.005   # the tower's tail after its retrieval layer that the selection runs beside
 
     def __init__(self, policy: Pi05Policy, rings: RingNames = RingNames(), slots: int = 4,
                  cache: CacheSpec | None = None, arm_slices: tuple[tuple[int, int], ...] = ()):
@@ -228,13 +223,12 @@ class VisionStage:
         self.rings = rings
         self.cache_reason = "cache off" if cc is None else cc.reason   # which halves run and why (diagnostics)
         self.selector: WindowSelector | None = None
-        self._selection: ThreadPoolExecutor | None = None   # selection's thread, beside the vision tower's
-        self.tower_tail_s = 0.0   # the tower's time after its retrieval layer (moving average; encode: why)
+        self.beside: BesideTower | None = None   # the selection beside the tower's later layers
         if cc is not None and not cc.dense and repo is not None:
             try:
                 self.selector = WindowSelector(repo, manager_config(cache, repo, arm_slices).retrieval,
                                                rings.working_set, cache.first_search_wait_s)
-                self._selection = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vision-select")
+                self.beside = BesideTower()
             except ValueError as e:
                 log.warning("muscle-memory cache disabled, running dense: %s", e)
         self.prefix = RingBuffer.create(rings.prefix, prefix_layout(self.worker.spec), slots, replace_stale=True)
@@ -246,46 +240,27 @@ class VisionStage:
         """One call's prefix; with the cache on, ``last_selection`` then says what was chosen (the
         note for the cache manager, which slides its window after the call).
 
-        The reference is chosen on a thread of its own from the moment the vision tower's
-        retrieval layer is done, while the tower's later layers and projector run (rMuscle §5:
-        retrieval overlaps the rest of vision encoding); the ``select`` phase is what is left of
-        it after the tower, its cost on the call's path. Both threads release the interpreter in
-        torch's kernels, so on a CPU the two run on two cores where the machine has one free. A
-        selection whose thread has not started by the time the tower is done (no core was free
-        for it) is taken back and run here. And only a tower whose layers after the retrieval
-        layer take at least ``OVERLAP_MIN_TAIL_S`` (measured on every call, ``tower_tail_s``) gets
-        the selection beside it: a shorter tail hides less than handing the selection to another
-        thread can cost on a busy machine (``pi05-mw``, a 1 ms tail: one call in ten waited 5-11 ms
-        for its selection's thread, against 0.9 ms for the selection itself; ``pi05-small``, 60
-        ms: the selection's 1.8 ms were hidden)."""
+        The reference is chosen from the moment the vision tower's retrieval layer is done,
+        beside the tower's later layers where that pays (``selection.BesideTower``); the
+        ``select`` phase is what is left of it after the tower, its cost on the call's path."""
         timer = PhaseTimer(self.worker.engine.device)
         obs = Observation(images=images, state=list(req.state), task=req.task)
         choice: Choice | None = None
         self.last_choice = self.last_selection = None
-        selecting: list[Future[Choice]] = []
+        selector, beside = self.selector, self.beside   # both set, or neither (__init__)
 
-        tapped_at: list[float] = []
-
-        def select(features: Tensor) -> None:   # the tower's retrieval layer is done; its later layers run on
-            assert self.selector is not None and self._selection is not None
-            tapped_at.append(time.perf_counter())
-            if self.tower_tail_s >= self.OVERLAP_MIN_TAIL_S:
-                selecting.append(self._selection.submit(self.selector.choose, req.request_seq, req.task,
-                                                        req.episode, features, req.state))
+        def choose(features: Tensor) -> Choice:
+            assert selector is not None
+            return selector.choose(req.request_seq, req.task, req.episode, features, req.state)
         try:
-            vp = self.worker.embed(obs, timer, on_features=select if self.selector is not None else None)
+            vp = self.worker.embed(obs, timer, on_features=beside.start(choose) if beside is not None else None)
         except BaseException:
-            for f in selecting:   # never leave a selection running behind a failed call
-                f.exception()
+            if beside is not None:
+                beside.abandon()
             raise
-        if tapped_at:
-            self.tower_tail_s += TAIL_EMA * (time.perf_counter() - tapped_at[0] - self.tower_tail_s)
-        if self.selector is not None:
+        if beside is not None:
             with timer.phase("select"):   # what is left of the selection after the tower: its cost on the path
-                if selecting and selecting[0].cancel():   # its thread never got a core: chosen here instead
-                    selecting.clear()
-                choice = selecting[0].result() if selecting else self.selector.choose(
-                    req.request_seq, req.task, req.episode, vp.features, req.state)
+                choice = beside.finish(lambda: choose(vp.features))
         reference = choice.entry if choice is not None else None
         with self.prefix.begin_write() as writer:
             out = {f.name: writer[f.name] for f in self.prefix.layout.fields}
@@ -328,8 +303,8 @@ class VisionStage:
 
     def close(self) -> None:
         self.prefix.close()
-        if self._selection is not None:
-            self._selection.shutdown(wait=True)
+        if self.beside is not None:
+            self.beside.close()
         if self.selector is not None:
             self.selector.close()
 
