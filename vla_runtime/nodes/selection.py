@@ -174,7 +174,7 @@ class BesideTower:
     - only a tower whose layers after the retrieval layer take at least ``MIN_TAIL_S`` (measured
       on every call: ``tail_s``, a moving average) gets its selection beside it. ``pi05-mw``, a
       1 ms tail: beside it, one call in ten waited 5-11 ms for the selection's thread, against
-      0.9 ms for the selection in series; ``pi05-small``, 60 ms: its 1.8 ms were hidden;
+      0.9 ms for the selection in series; ``pi05-small``, a third of its tower: 1.8 ms hidden;
     - a selection whose thread has not started when the tower is done is taken back and run by
       the caller.
     """
