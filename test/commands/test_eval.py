@@ -236,6 +236,8 @@ def test_a_repository_built_by_eval_runs_at_profiled_ratios_unless_given(setup, 
     report = evaluate(spec, log=lambda m: None)
     repo = report["repository"]
     assert repo["built"] and bool(repo["profile"]) != given
+    # references recorded here go past their success, and then need no fallback past them
+    assert (report["reference_tail_calls"], report["max_end_matches"]) == (DEFAULT_REFERENCE_TAIL_CALLS, 0)
     if given:
         assert (repo["rho_p"], repo["rho_n"]) == (0.6, 0.75)
     else:

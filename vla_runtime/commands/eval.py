@@ -406,7 +406,7 @@ def evaluate(spec: EvalSpec, log: Callable[[str], None] = print, progress: Progr
                               "n_execute": spec.n_execute, "max_steps": spec.max_steps, "processes": spec.processes,
                               "caches": list(spec.caches), "min_similarity": spec.min_similarity,
                               "first_scene_floor": spec.first_scene_floor, "max_end_matches": spec.max_end_matches,
-                              "modes": {}}
+                              "reference_tail_calls": spec.reference_tail_calls, "modes": {}}
     repository = None
     if "cached" in spec.modes:
         # built and timed at the pipeline's thread count, so the halves' timing is the pipeline's
