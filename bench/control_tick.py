@@ -27,7 +27,7 @@ long gap is listed with the steal counted around it (``STEAL_SLACK_MS`` either s
 that coincides with stolen time is the machine's, not the node's.
 
 Where the policy process was: the tick loop logs a tick that starts over half a period late with
-where each of the process's other threads was at that moment (``nodes/tick_loop.py``:
+where each of the process's other threads was at that moment (``nodes/late_ticks.py``:
 ``LateTick``); each long gap gets the one logged within ``LATE_MATCH_S`` of its start.
 """
 

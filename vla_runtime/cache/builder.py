@@ -31,7 +31,7 @@ from ..progress import Progress, silent
 from ..models.flops import cached_flops, dense_flops
 from .entry import PreparedEntry, reconstruct_entry
 from .half_profile import TimingCase, time_halves
-from .halves import DEFAULT_RHO_P, HalfTiming
+from .halves import DEFAULT_RHO_N, DEFAULT_RHO_P, HalfTiming
 from .manager import model_images_to_stored
 from .masks import DEFAULT_GROUPS, ContributionRecorder, Groups, group_masks, validate_groups
 from .repository import ReferenceCall, ReferenceRepository, RepositoryMeta
@@ -43,7 +43,7 @@ DEFAULT_GRID: tuple[tuple[float, float], ...] = ((0.2, 0.25), (0.4, 0.5), (0.6, 
 
 @dataclass(frozen=True)
 class BuildConfig:
-    rho_n: float = 0.5
+    rho_n: float = DEFAULT_RHO_N
     groups: Groups = DEFAULT_GROUPS
     history_len: int = 4
     noise_seed: int = 0
@@ -256,7 +256,7 @@ class BuildSummary:
     calls: int
     skipped: list[str] = field(default_factory=list)
     rho_p: float | None = None
-    rho_n: float = 0.5
+    rho_n: float = DEFAULT_RHO_N
     profile: list[dict] = field(default_factory=list)
     half_timing: dict | None = None   # HalfTiming.as_dict() (None: not profiled)
     bytes_per_call: dict = field(default_factory=dict)

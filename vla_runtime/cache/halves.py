@@ -19,6 +19,7 @@ from typing import Any
 
 SETTINGS = ("auto", "on", "off")
 DEFAULT_RHO_P = 0.4   # rMuscle's recompute fraction, where nothing was given or profiled
+DEFAULT_RHO_N = 0.5   # rMuscle's neuron fraction, where nothing was given or profiled
 HALVES = ("context_cache", "action_cache")   # keys of the profile and of the recorded timing
 PHASE_OF = {"context_cache": "prefill", "action_cache": "denoise"}   # the phase each half changes
 

@@ -38,7 +38,7 @@ import torch
 
 from ..cache.builder import BuildConfig, build_repository_from
 from ..cache.half_profile import time_repository_halves
-from ..cache.halves import DEFAULT_RHO_P, choose_rho_p, resolve_halves
+from ..cache.halves import DEFAULT_RHO_N, DEFAULT_RHO_P, choose_rho_p, resolve_halves
 from ..cache.repository import ReferenceRepository
 from ..cache.retrieval import fallback_rule, first_call_floors
 from ..engine.policy import Pi05Policy
@@ -54,7 +54,6 @@ from ..sim.metaworld_env import ACTION_DIM, DEFAULT_CAMERAS, DEFAULT_TASKS, Meta
 CALL_PERIOD_S = 0.5    # bag time between the recorded calls of a reference episode (a synthetic clock)
 MODES = ("dense", "cached", "resampled")   # resampled: the dense policy drawing other noise (a baseline)
 CACHES = ("context", "action")
-DEFAULT_RHO_N = 0.5   # rMuscle's default, used when nothing is profiled (rho_p: halves.DEFAULT_RHO_P)
 # References recorded here go on 5 calls past their success; with them the fallback past the
 # references is not needed (``EvalSpec.max_end_matches``): docs/cache.md, coverage at pi05-mw.
 DEFAULT_REFERENCE_TAIL_CALLS = 5
@@ -623,8 +622,8 @@ def reading(report: dict[str, Any]) -> str:
         select = cp.get("select", 0.0)
         text = (f"The cache shortens only the prefill and the denoising, {_ms(shortened)} of a dense call "
                 f"({shortened / d['mean_call_s']:.0%}); it {'saved' if saved >= 0 else 'added'} "
-                f"{_ms(abs(saved))} there, and choosing the reference, begun beside the vision tower, holds "
-                f"every call up {_ms(select)} after it")
+                f"{_ms(abs(saved))} there, and choosing the reference holds every call up {_ms(select)} after "
+                "the vision tower")
         repo = report.get("repository", {})
         point = next((p for p in repo.get("profile") or [] if (p["rho_p"], p["rho_n"]) ==
                       (repo.get("rho_p"), repo.get("rho_n"))), None)

@@ -15,7 +15,7 @@ from torch import Tensor
 from ..cache.action_cache import ActionCache, ActionCacheBuffers
 from ..cache.context_cache import ContextCache
 from ..cache.entry import PreparedEntry
-from ..cache.halves import DEFAULT_RHO_P
+from ..cache.halves import DEFAULT_RHO_N, DEFAULT_RHO_P
 from ..cache.masks import DEFAULT_GROUPS, Groups, validate_groups
 from ..models.gemma import DenoiseFFN, PrefillFFN
 from ..models.pi05 import Pi05Model
@@ -25,7 +25,7 @@ from .dense import DenseEngine, ModelInputs, StaticFFN, _no_ffn
 @dataclass(frozen=True)
 class CacheConfig:
     rho_p: float = DEFAULT_RHO_P          # fraction of visual tokens recomputed per VLM layer
-    rho_n: float = 0.5                    # fraction of expert MLP neurons computed at non-anchor steps
+    rho_n: float = DEFAULT_RHO_N          # fraction of expert MLP neurons computed at non-anchor steps
     groups: Groups = DEFAULT_GROUPS       # denoising step groups; each group's first step is a dense anchor
     context_cache: bool = True
     action_cache: bool = True

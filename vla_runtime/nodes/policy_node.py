@@ -445,7 +445,7 @@ class PolicyNode(ManagedNode):
         """The control tick's regularity over the last TICK_WINDOW_S, how it is scheduled, and the
         last tick that started over half a period late with where the other threads were."""
         t, loop = self.ticks.statistics(), self.tick_loop
-        late = list(loop.late.ticks) if loop is not None else []
+        late = loop.late.ticks if loop is not None else ()
         return {"tick_period_p99_ms": f"{t.p99_ms:.2f}", "tick_period_max_ms": f"{t.max_ms:.2f}",
                 "ticks_missed": str(self.ticks.missed), "tick_scheduling": self._tick_scheduling(),
                 "nice": str(self.nice), "ticks_late": str(loop.late.count if loop is not None else 0),

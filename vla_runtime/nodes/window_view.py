@@ -165,6 +165,8 @@ class WindowView(EpisodeCodes):
         self._product(q, sims)
         out = self._slot_codes < 0
         out |= self.ring.seqlocks() != self._locks
+        # free slots read through in a gap hold whatever they last held (any float, inf and nan
+        # included): not scaled
         scale = 1.0 / max(math.sqrt(float(torch.dot(q, q))), 1e-12)   # torch: this process's thread setting
         np.multiply(sims, self._inv_norm * scale, out=sims, where=~out)
         sims[out] = -math.inf
