@@ -42,10 +42,13 @@ def test_the_joint_history_keeps_the_last_calls_the_rerank_reads():
     s = selector({("a", 0): unit(1)}, {"a": 5})
     with pytest.raises(RuntimeError, match="observe_state"):
         s.state_history()
-    for x in range(5):
+    s.observe_state(torch.full((D,), 0.0))
+    s.observe_state(np.full(D, 1.0))
+    assert s.state_history()[:, 0].tolist() == [0.0, 0.0, 1.0]          # the oldest repeated to fill, as recorded
+    for x in range(2, 5):
         s.observe_state(torch.full((D,), float(x)))
-    assert len(s.history) == L                                          # bounded
-    assert torch.equal(s.state_history()[:, 0], torch.tensor([2.0, 3.0, 4.0]))
+    assert s.state_history().shape == (L, D)                            # bounded
+    assert s.state_history()[:, 0].tolist() == [2.0, 3.0, 4.0]
     with pytest.raises(ValueError, match="3 values"):
         s.observe_state(torch.zeros(3))
 
@@ -62,7 +65,7 @@ def test_a_stall_restarts_the_episodes_selection_and_says_so_to_the_window():
     assert s.select(unit(1)) is None
     note = s.selection(3, 1)
     assert note.restart and note.match is None and note.reason.startswith("stall: reference ('a', 1)")
-    assert not note.dense_for_episode and s.retriever.stats.stalls == 1 and s.history == []
+    assert not note.dense_for_episode and s.retriever.stats.stalls == 1 and s.observed == 0
     s.observe_state(torch.zeros(D))
     assert s.select(unit(1)).key == ("a", 1) and s.selection(4, 1).restart is False   # served again
 
@@ -131,5 +134,5 @@ def test_the_history_is_float32_whatever_the_caller_passes():
     s.observe_state(np.array([0.25, -1.5]))
     s.observe_state([1, 2])
     h = s.state_history()
-    assert h.dtype == torch.float32
+    assert h.dtype == np.float32
     assert h.tolist() == [[0.25, -1.5], [0.25, -1.5], [1.0, 2.0]]

@@ -265,3 +265,46 @@ def test_beside_tower_runs_the_selection_on_its_thread_only_after_a_long_enough_
         assert ran[-1][1] == "c"
     finally:
         beside.close()
+
+
+def test_a_restarted_cache_manager_is_taken_up_between_calls_or_else_at_the_call(demo):
+    """The attachment to the working set is checked between calls (the vision process's idle work)
+    and, when calls come back to back, by the call itself: either way a cache manager restarted
+    since (a new segment under the same name) serves the next call from its own window."""
+    policy = Pi05Policy.from_checkpoint(demo["checkpoint"], camera_names=list(CAMS))
+    spec = CacheSpec(enabled=True, repository=str(demo["repo"]), episodes=2, lookahead=2, max_end_matches=0)
+    rings = RingNames.tagged(f"rst{os.getpid()}_{uuid.uuid4().hex[:6]}")
+    repo = ReferenceRepository.open(demo["repo"])
+    task = repo.tasks()[0]
+    eid = repo.episodes(task)[0].episode_id
+    stage = CacheStage(policy, spec, rings)
+    selector = WindowSelector(repo, manager_config(spec, repo).retrieval, rings.working_set, first_search_wait_s=600.0)
+
+    def restart():
+        nonlocal stage
+        stage.close()                           # unlinks its working set
+        stage = CacheStage(policy, spec, rings)
+        stage.begin(task, 0)
+
+    def choose(i: int):
+        call = repo.load_call(eid, i)
+        choice = selector.choose(i, task, 0, call.retrieval, call.state_history[-1].numpy())
+        assert choice.found, choice.reason
+        return choice
+
+    try:
+        stage.begin(task, 0)
+        choose(0)
+        before = selector.ring
+        selector.idle()
+        restart()
+        selector.idle()                         # between calls: the new segment
+        assert selector.ring is not before
+        choose(1)
+        before = selector.ring
+        restart()                               # and no gap before the next call
+        choose(1)
+        assert selector.ring is not before
+    finally:
+        selector.close()
+        stage.close()

@@ -137,3 +137,59 @@ def test_an_entry_moved_to_a_slot_taken_in_first_stays_a_candidate(store):
     assert view.pinned(k.key) is not None and view.pinned(k.key).slot == store[k.key].slot
     assert len(view) == 3 and view.keys[old_slot] == x.key
     view.ring.close()
+
+
+def test_the_products_spans_follow_candidates_coming_and_going(store):
+    """The spans the product reads are kept between calls, so they must change with the window: a
+    candidate that leaves is no longer read, one that comes is read and scores its cosine."""
+    entries = [ws_entry(("ep-a", i), 2, i + 1) for i in range(3)]
+    for e in entries:
+        store[e.key] = e
+    view = _view(store, ["ep-a"])
+    view.GAP_READ_BYTES = 0                                 # read candidates only: the spans show in rows_scored
+    view.refresh()
+    q = torch.randn(4, 6, generator=torch.Generator().manual_seed(21))
+    view.similarities(q)
+    assert view.rows_scored == 3
+    del store[entries[1].key]
+    view.refresh()
+    sims = view.similarities(q)
+    assert view.rows_scored == 2 and np.isneginf(sims[1])
+    late = ws_entry(("ep-a", 5), 2, 9)
+    store[late.key] = late
+    view.refresh()
+    sims = view.similarities(q)
+    assert view.rows_scored == 3 and sims[store[late.key].slot] == pytest.approx(_cos(late, q), abs=ATOL)
+    view.ring.close()
+
+
+def test_a_query_in_any_layout_or_dtype_scores_the_same(store):
+    """The call's features are read where they are when they are contiguous float32 (the vision
+    tower's output), copied otherwise: a transposed or float64 query scores the same."""
+    a, b = ws_entry(("ep-a", 0), 2, 1), ws_entry(("ep-a", 1), 2, 2)
+    store[a.key], store[b.key] = a, b
+    view = _view(store, ["ep-a"])
+    view.refresh()
+    q = torch.randn(4, 6, generator=torch.Generator().manual_seed(13))
+    slots = [store[a.key].slot, store[b.key].slot]
+    expected = [_cos(a, q), _cos(b, q)]
+    for query in (q, q.t().contiguous().t(), q.double()):
+        np.testing.assert_allclose(view.similarities(query)[slots], expected, rtol=0, atol=ATOL)
+    view.ring.close()
+
+
+def test_a_candidate_is_handed_over_as_its_entry_in_place(store):
+    """``entry`` gives a candidate's pin and its entry as views of the slot, as taken in."""
+    a = ws_entry(("ep-a", 0), 2, 1)
+    store[a.key] = a
+    view = _view(store, ["ep-a"])
+    assert view.entry(a.key) is None                        # not taken in yet
+    view.refresh()
+    pin, entry = view.entry(a.key)
+    assert pin.valid() and pin.slot == store[a.key].slot and entry.key == a.key
+    assert torch.equal(entry.ffn_in, a.ffn_in) and torch.equal(entry.ffn_out, a.ffn_out)
+    assert entry.ffn_in.data_ptr() == pin.views["ffn_in"].data_ptr()   # read in place, not copied
+    del store[a.key]
+    view.refresh()
+    assert view.entry(a.key) is None
+    view.ring.close()

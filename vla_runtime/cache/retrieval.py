@@ -346,7 +346,7 @@ class Retriever:
 
     # ---------------------------------------------------------------- query
 
-    def query(self, features: Tensor, state_history: Tensor) -> Match | None:
+    def query(self, features: Tensor, state_history: Tensor | np.ndarray) -> Match | None:
         """Pick the prepared reference for this call, or None (dense) with ``reason`` set.
 
         ``features``: the current call's retrieval features (any shape, flattened).
@@ -363,7 +363,7 @@ class Retriever:
             self.stats.hits += 1
         return match
 
-    def _query(self, features: Tensor, state_history: Tensor) -> Match | None:
+    def _query(self, features: Tensor, state_history: Tensor | np.ndarray) -> Match | None:
         if self.stalled or self.fallback:
             return None                     # latched for the episode; reason already set (stall: till reset)
         pack = self.source.candidates(self.task)
@@ -424,9 +424,9 @@ class Retriever:
         keep = values >= cfg.min_similarity          # never rerank onto a visually poor match
         values, idx = values[keep], idx[keep]
 
-        cur = state_history[-cfg.history_len:].detach().to("cpu", torch.float32).numpy()
-        diff2 = np.square(pack.histories_np[idx, -cfg.history_len:] - cur)       # [k, L, D]
-        dist = np.maximum.reduce([np.sqrt(diff2[:, :, a:b].mean(axis=(1, 2))) for a, b in arms])   # worst arm
+        if isinstance(state_history, Tensor):
+            state_history = state_history.detach().to("cpu", torch.float32).numpy()
+        dist = _history_distance(pack.histories_np[idx, -cfg.history_len:], state_history[-cfg.history_len:], arms)
         j = int(dist.argmin())                                     # ties: the visually closer one
         episode_id, index = pack.keys[int(idx[j])]
         match = Match(episode_id, index, float(values[j]), float(dist[j]))
@@ -450,6 +450,22 @@ class Retriever:
             return None
         self.reason = ""
         return match
+
+
+def _history_distance(histories: np.ndarray, current: np.ndarray,
+                      arms: Sequence[tuple[int, int]]) -> np.ndarray:
+    """[k] RMS joint-angle distance of each candidate's history [k, L, D] to the current one
+    [L, D], the worst arm deciding. One ``einsum`` per arm (a mean over two axes costs several
+    numpy calls, and this runs on every call's path)."""
+    diff = histories - current
+    scale = 1.0 / histories.shape[1]
+    dist = None
+    for a, b in arms:
+        d = diff[:, :, a:b]
+        arm = np.sqrt(np.einsum("kld,kld->k", d, d) * (scale / (b - a)))
+        dist = arm if dist is None else np.maximum(dist, arm)
+    assert dist is not None, "at least one arm"
+    return dist
 
 
 def _top(values: np.ndarray, k: int) -> np.ndarray:

@@ -57,7 +57,10 @@ class ReferenceSelector:
         self.restarted = False
         self.retriever = Retriever(cfg, source, on_stall=self._on_stall)
         self.task: str | None = None
-        self.history: list[np.ndarray] = []
+        # the states at the last L calls, oldest first: kept as the array retrieval reads, so
+        # a call adds its state with two copies instead of stacking the history anew
+        self._states = np.zeros((cfg.history_len, state_dim), dtype=np.float32)
+        self.observed = 0   # states observed since the episode started
         self.last_match: Match | None = None
 
     def start_episode(self, task: str) -> None:
@@ -65,29 +68,32 @@ class ReferenceSelector:
         self.task = task
         lengths = self.lengths.get(task, {})
         self.retriever.start_episode(task, max(lengths.values(), default=1), lengths)
-        self.history.clear()
+        self.observed = 0
         self.last_match = None
         self.restarted = False
 
     def observe_state(self, state: Tensor | np.ndarray) -> None:
         """The robot state at the coming call (joint-history rerank)."""
-        # a copy: callers pass views of buffers they reuse, the history must not follow them;
-        # numpy, not torch: these few values cost a microsecond per operation there, ten in torch
+        # copied into the history: callers pass views of buffers they reuse, the history must not
+        # follow them; numpy, not torch: these few values cost a microsecond per operation there, ten in torch
         if isinstance(state, Tensor):   # any dtype or device (numpy has no bfloat16)
             state = state.detach().to("cpu", torch.float32).numpy()
-        state = np.array(state, dtype=np.float32).reshape(-1)
+        state = np.asarray(state, dtype=np.float32).reshape(-1)
         if state.size != self.state_dim:
             raise ValueError(f"state has {state.size} values, the repository's {self.state_dim}")
-        self.history.append(state)
-        del self.history[:-self.cfg.history_len]
+        if self.observed:
+            self._states[:-1] = self._states[1:]
+            self._states[-1] = state
+        else:   # the episode's first state fills the history, as recorded
+            self._states[:] = state
+        self.observed += 1
 
-    def state_history(self) -> Tensor:
-        """[L, D]: the states at the last L calls, the oldest repeated to fill (as recorded)."""
-        n = self.cfg.history_len
-        if not self.history:
+    def state_history(self) -> np.ndarray:
+        """[L, D]: the states at the last L calls, the oldest repeated to fill (as recorded). The
+        selector's own array: valid until the next ``observe_state``."""
+        if not self.observed:
             raise RuntimeError("observe_state() must be called before each call")
-        h = self.history[-n:]
-        return torch.from_numpy(np.stack([h[0]] * (n - len(h)) + h))
+        return self._states
 
     def select(self, features: Tensor) -> Match | None:
         """The reference for this call, or None (dense, ``reason`` says why)."""

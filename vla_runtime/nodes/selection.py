@@ -34,7 +34,7 @@ from ..cache.retrieval import RetrievalConfig
 from ..cache.selector import ReferenceSelector, Selection
 from ..ipc.ring import PinnedSlot, RingBuffer
 from .window_view import WindowView
-from .working_set import current_ring, pinned_entry, window_state
+from .working_set import current_ring, window_state
 
 @dataclass
 class Choice:
@@ -77,6 +77,7 @@ class WindowSelector:
         self.ring: RingBuffer | None = None   # the working set's segment, attached
         self.view: WindowView | None = None
         self._had_window = False
+        self._attached_since_call = False   # ``idle`` checked the attachment since the last call
         self.selector = ReferenceSelector(retrieval, _NoSource(), self.episodes, self.state_dim)
         self.episode_key: tuple[str, int] | None = None
         self.torn = 0   # pinned entries rewritten while a prefill read them (that call reran dense)
@@ -92,11 +93,15 @@ class WindowSelector:
         if task not in self.episodes:
             return Choice(Selection(request_seq, task, episode, None,
                                     reason=f"unknown task {task!r}: the repository has no reference episodes for it"))
-        down = self._attach()
+        # the attachment was checked between calls (``idle``) unless calls came back to back; a
+        # cache manager restarted since then has left its last window readable and exact
+        down = "" if self._attached_since_call and self.view is not None else self._attach()
+        self._attached_since_call = False
         if down:
             return Choice(Selection(request_seq, task, episode, None, reason=down))
         assert self.view is not None
-        self.view.follow_task(task, self.episodes[task])
+        if self.view.task != task:   # a task's reference episodes are fixed (the repository's index)
+            self.view.follow_task(task, self.episodes[task])
         self.view.refresh()
         if not self.selector.candidate_episodes() and self.view.window != self.episode_ready:
             if time.monotonic() - self.episode_t0 < self.first_search_wait_s:
@@ -111,11 +116,12 @@ class WindowSelector:
         sel = self.selector.selection(request_seq, episode)
         if match is None:
             return Choice(sel)
-        pin = self.view.pinned(match.key)
-        if pin is None or not pin.valid():   # written since it was taken in: its score and history may be torn
+        found = self.view.entry(match.key)
+        if found is None or not found[0].valid():   # written since it was taken in: its score and history may be torn
             return Choice(Selection(request_seq, task, episode, None, sel.candidates,
                                     f"entry {match.key} replaced before it was read"))
-        return Choice(sel, pinned_entry(pin), pin, pin.slot, pin.seq)
+        pin, entry = found
+        return Choice(sel, entry, pin, pin.slot, pin.seq)
 
     def idle(self) -> None:
         """Between calls (the vision process has nothing to encode): take in what the cache
@@ -123,6 +129,7 @@ class WindowSelector:
         executes), so that the next call's ``refresh`` finds little or nothing left to read, and
         read the window's features so that the call's product finds them in the caches."""
         if self.view is not None and self.view.task is not None and not self._attach():
+            self._attached_since_call = True
             self.view.refresh()
             self.view.warm()
 

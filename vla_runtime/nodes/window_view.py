@@ -26,9 +26,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..cache.entry import EntryKey
+from ..cache.entry import EntryKey, PreparedEntry
 from ..cache.retrieval import EpisodeCodes
 from ..ipc.ring import PinnedSlot, RingBuffer
+from .working_set import pinned_entry
 
 
 class WindowView(EpisodeCodes):
@@ -70,8 +71,10 @@ class WindowView(EpisodeCodes):
         self._inv_norm = np.zeros(slots, dtype=np.float32)
         self._locks = np.zeros(slots, dtype=np.int64)              # each candidate's seqlock at its pin
         self._pins: list[PinnedSlot | None] = [None] * slots
+        self._entries: list[PreparedEntry | None] = [None] * slots   # each candidate's entry, in place
         self.keys: list[EntryKey | None] = [None] * slots
         self._slot_of: dict[EntryKey, int] = {}
+        self._spans: tuple[list[int], list[int]] | None = None      # the product's row spans (``_spans_now``)
 
     def follow_task(self, task: str, episodes: Iterable[str]) -> None:
         """Candidates from now on: the prepared entries of ``episodes`` (the task's references)."""
@@ -106,6 +109,8 @@ class WindowView(EpisodeCodes):
                 self._inv_norm[slot] = 1.0 / max(norm, 1e-12)
                 self._slot_codes[slot], self._locks[slot] = self.code(key[0]), pin.lock_word
                 self._pins[slot], self.keys[slot], self._slot_of[key] = pin, key, slot
+                self._entries[slot] = pinned_entry(pin)   # views, built here: mostly between calls
+                self._spans = None
                 added += 1
             self._seen[slot] = seq
         return added
@@ -127,7 +132,9 @@ class WindowView(EpisodeCodes):
         key = self.keys[slot]
         if key is not None and self._slot_of.get(key) == slot:   # not if the entry moved to a slot taken in first
             del self._slot_of[key]
-        self.keys[slot], self._pins[slot] = None, None
+        if self._slot_codes[slot] >= 0:
+            self._spans = None
+        self.keys[slot], self._pins[slot], self._entries[slot] = None, None, None
         self._slot_codes[slot], self._inv_norm[slot] = -1, 0.0
 
     def pinned(self, key: EntryKey) -> PinnedSlot | None:
@@ -135,6 +142,15 @@ class WindowView(EpisodeCodes):
         the slot is still as it was when scored)."""
         slot = self._slot_of.get(key)
         return None if slot is None else self._pins[slot]
+
+    def entry(self, key: EntryKey) -> tuple[PinnedSlot, PreparedEntry] | None:
+        """A candidate's pin and its ``PreparedEntry`` of views into the slot (built when the
+        candidate was taken in; valid while the pin is)."""
+        slot = self._slot_of.get(key)
+        if slot is None:
+            return None
+        pin, entry = self._pins[slot], self._entries[slot]
+        return None if pin is None or entry is None else (pin, entry)
 
     def __len__(self) -> int:
         return len(self._slot_of)
@@ -159,8 +175,9 @@ class WindowView(EpisodeCodes):
     def similarities(self, features: Tensor) -> np.ndarray:
         """[slots] cosine similarity of the query to each slot's entry, -inf where a slot holds no
         candidate or was written since its pin (its score may mix two payloads)."""
-        q = self._query_buffer()
-        q.copy_(features.detach().reshape(-1))                      # the call's features, as float32
+        q = features.detach().reshape(-1)
+        if q.dtype != self._features.dtype or q.device.type != "cpu" or not q.is_contiguous():
+            q = self._query_buffer().copy_(q)                       # the call's features, as float32
         sims = np.full(self.ring.slots, -math.inf, dtype=np.float32)
         self._product(q, sims)
         out = self._slot_codes < 0
@@ -182,18 +199,25 @@ class WindowView(EpisodeCodes):
         than ``GAP_READ_BYTES`` (what a product's dispatch costs in memory time: at ``pi05-mw``,
         64 KB a slot, several products cost more than one over a few spare slots). Their scores
         are not candidates' and are masked by the caller. ``rows_scored``: the slots read."""
-        rows = np.flatnonzero(self._slot_codes >= 0)
-        if not len(rows):
-            self.rows_scored = 0
-            return
-        gap_rows = self.GAP_READ_BYTES // (self.feature_dim * self._features.element_size())
-        cuts = np.flatnonzero(np.diff(rows) > gap_rows + 1)
-        starts = rows[np.concatenate(([0], cuts + 1))].tolist()
-        ends = (rows[np.concatenate((cuts, [len(rows) - 1]))] + 1).tolist()
+        if self._spans is None:
+            self._spans = self._spans_now()
+        starts, ends = self._spans
         out = torch.from_numpy(sims)
         for a, b in zip(starts, ends):
             torch.mv(self._features[a:b], q, out=out[a:b])
         self.rows_scored = sum(ends) - sum(starts)
+
+    def _spans_now(self) -> tuple[list[int], list[int]]:
+        """The product's spans of slots (starts, ends), candidates and the short gaps between
+        them; kept until a candidate comes or goes (``refresh``), so a call does not compute them."""
+        rows = np.flatnonzero(self._slot_codes >= 0)
+        if not len(rows):
+            return [], []
+        gap_rows = self.GAP_READ_BYTES // (self.feature_dim * self._features.element_size())
+        cuts = np.flatnonzero(np.diff(rows) > gap_rows + 1)
+        starts = rows[np.concatenate(([0], cuts + 1))].tolist()
+        ends = (rows[np.concatenate((cuts, [len(rows) - 1]))] + 1).tolist()
+        return starts, ends
 
     # CandidateSource
     def candidates(self, task: str) -> WindowView | None:
