@@ -171,7 +171,7 @@ def _demo_data(args: argparse.Namespace) -> int:
     from .commands.demo import DemoSpec, make_demo
 
     info = make_demo(args.out, DemoSpec(preset=args.preset, episodes=args.episodes, held_out=args.held_out,
-                                        seed=args.seed), log=_log)
+                                        seed=args.seed, checkpoint_dtype=args.checkpoint_dtype), log=_log)
     print(json.dumps(info, indent=2))
     return 0
 
@@ -369,6 +369,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--episodes", type=int, default=8)
     d.add_argument("--held-out", dest="held_out", type=int, default=2)
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--checkpoint-dtype", dest="checkpoint_dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="dtype of the stored weights (bfloat16 for full pi05 on a 24 GB machine: float32 and its "
+                        "copy while saving do not fit; the runtime's engine.dtype is separate)")
     d.set_defaults(func=_demo_data)
 
     rp = sub.add_parser("replay", help="run the policy over a recorded episode bag at its recorded timing; write "

@@ -27,6 +27,7 @@ from ..models.tokenizer import train_prompt_tokenizer
 from ..sim.scenes import JOINTS_PER_ARM, SceneConfig, joint_names, make_episodes
 
 DEMO_TASK = "pick up the red block and put it in the bowl"
+CHECKPOINT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -38,10 +39,14 @@ class DemoSpec:
     steps_per_episode: int = 120
     task: str = DEMO_TASK
     seed: int = 0
+    checkpoint_dtype: str = "float32"   # of the stored weights: full pi05 in float32 (and its copy while
+    #                                     saving) does not fit a 24 GB machine, bfloat16 does
 
     def validate(self) -> "DemoSpec":
         if self.episodes < 2 or not 1 <= self.held_out < self.episodes:
             raise ValueError("need at least 2 episodes and 1 <= held_out < episodes")
+        if self.checkpoint_dtype not in CHECKPOINT_DTYPES:
+            raise ValueError(f"checkpoint_dtype must be one of {sorted(CHECKPOINT_DTYPES)}, got {self.checkpoint_dtype!r}")
         return self
 
 
@@ -91,8 +96,9 @@ def make_demo(out: str | Path, spec: DemoSpec = DemoSpec(), log=print) -> dict:
     states = np.concatenate([np.stack([f.state for f in ep.frames]) for ep in episodes])
 
     ckpt = out / "checkpoint"
-    log(f"writing {spec.preset} checkpoint (random weights) to {ckpt} ...")
-    write_random_checkpoint(ckpt, cfg, [spec.task], states, states, spec.cameras, seed=spec.seed)
+    log(f"writing {spec.preset} checkpoint (random weights, {spec.checkpoint_dtype}) to {ckpt} ...")
+    write_random_checkpoint(ckpt, cfg, [spec.task], states, states, spec.cameras, seed=spec.seed,
+                            dtype=CHECKPOINT_DTYPES[spec.checkpoint_dtype])
 
     topics = demo_topics(spec.cameras)
     split = {"references": episodes[: spec.episodes - spec.held_out], "held_out": episodes[spec.episodes - spec.held_out:]}

@@ -508,7 +508,7 @@ def save_checkpoint(model: Pi05Model, directory: str | Path, layout: str = "lero
             tensors[prefix + key] = part.detach().to("cpu").contiguous().clone()
     embed = sd["embed_tokens.weight"].detach().cpu()
     for key, shape in unused_keys(cfg).items():
-        tensors[prefix + key] = embed.clone() if shape == tuple(embed.shape) else torch.zeros(shape)
+        tensors[prefix + key] = embed.clone() if shape == tuple(embed.shape) else torch.zeros(shape, dtype=embed.dtype)
     save_file(tensors, str(directory / "model.safetensors"))
     meta = {
         "type": "pi05",
