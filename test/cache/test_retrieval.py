@@ -384,6 +384,22 @@ def test_candidates_of_the_chosen_episodes_all_gone_is_not_a_fallback():
     assert r.query(unit(1), h).key == ("a", 1) and r.reason == ""      # a match clears the last reason
 
 
+def test_the_followed_episodes_mask_follows_rows_that_move():
+    """Which rows belong to the followed episodes is kept between calls, so it must follow the
+    matrix: a followed entry removed (another episode's row moves into its place) and another
+    put where that row was are scored by the episode they hold now."""
+    h = torch.zeros(L, D)
+    m = matrix({("a", 0): (unit(1), h), ("b", 0): (unit(1, 0.1), h)})
+    r = retriever(m, top_t=1)
+    assert r.query(unit(1), h).key == ("a", 0) and r.candidate_episodes() == ["a"]
+    assert r.query(unit(1, 0.1), h).key == ("a", 0)          # b is closer but not followed
+    m.remove(("a", 0))                                        # b's entry moves into row 0
+    assert r.query(unit(1, 0.1), h) is None and r.reason == "no prepared candidates"
+    m.put(("a", 1), unit(1, 0.2), h)                          # row 1 now holds a followed entry
+    assert m.keys == [("b", 0), ("a", 1)]
+    assert r.query(unit(1, 0.1), h).key == ("a", 1)
+
+
 def test_query_shape_errors_name_both_sides():
     r = retriever(matrix({("a", 0): (unit(1), torch.zeros(L, D))}))
     with pytest.raises(ValueError, match=f"features have {F + 1} elements, the task pack's have {F}"):

@@ -591,7 +591,7 @@ def test_the_segment_holds_the_documented_control_block_page_aligned_slots_and_e
         assert (w[C.W_VERSION], w[C.W_SLOTS], w[C.W_BACKEND]) == (C.FORMAT_VERSION, 3, C.BACKEND_HOST)
         assert (w[C.W_PID], w[C.W_LATEST]) == (os.getpid(), -1)
         assert (w[C.W_PAYLOAD_OFFSET], w[C.W_STRIDE], w[C.W_LAYOUT_LEN]) == (ctrl, 4096, len(layout_json))
-        assert w[C.W_NONCE] > 0
+        assert w[C.W_NONCE] > 0 and w[C.W_CHANGES] == 0
         assert raw[C.TAG_OFFSET:C.TAG_OFFSET + C.TAG_BYTES] == LAYOUT.tag.encode()
         assert raw[C.LAYOUT_OFFSET:C.LAYOUT_OFFSET + len(layout_json)] == layout_json
         hdr = C.headers_offset(len(layout_json))
@@ -650,6 +650,24 @@ def test_the_seqlock_is_odd_exactly_while_a_write_is_open_and_every_write_moves_
         locks = reader.seqlocks()
         locks[0] = 99                                                 # a copy: the caller cannot move the lock
         assert reader.seqlocks().tolist() == [4, 4]
+
+
+def test_every_header_change_moves_the_change_count_and_reads_do_not(name):
+    """``changes`` is what a reader compares to skip reading every slot's header (``WindowView``):
+    begin, commit and abort each move it by one (also through ``clear_slot``), reads and pins never."""
+    with RingBuffer.create(name, LAYOUT, slots=2) as writer, RingBuffer.attach(name, LAYOUT) as reader:
+        assert reader.changes == 0
+        w = writer.begin_write()
+        assert reader.changes == 1
+        w.commit()
+        assert reader.changes == 2 and writer.changes == 2
+        reader.read(0, 0, _out()), reader.pin(0), reader.slot_seqs(), reader.seqlocks()
+        assert reader.changes == 2
+        writer.begin_write().abort()
+        assert reader.changes == 4
+        writer.clear_slot(0)
+        assert reader.changes == 6 and reader.slot_seq(0) == -1
+        assert int(_control_words(name)[C.W_CHANGES]) == 6
 
 
 def test_a_commit_stamps_now_unless_given_a_stamp_and_publishes_latest_and_heartbeat(name):

@@ -193,3 +193,55 @@ def test_a_candidate_is_handed_over_as_its_entry_in_place(store):
     view.refresh()
     assert view.entry(a.key) is None
     view.ring.close()
+
+
+def test_refresh_reads_the_headers_only_after_a_change(store, monkeypatch):
+    """A call's ``refresh`` with nothing changed since the last one reads one word (the ring's
+    change count), not every slot's header; any change after it (a commit, a write begun and
+    abandoned) is taken in by the next ``refresh``, and so is a slot it could not take in."""
+    a = ws_entry(("ep-a", 0), 2, 1)
+    store[a.key] = a
+    view = _view(store, ["ep-a"])
+    assert view.refresh() == 1
+    reads = []
+    slot_seqs = view.ring.slot_seqs
+    monkeypatch.setattr(view.ring, "slot_seqs", lambda: reads.append(1) or slot_seqs())
+    assert view.refresh() == 0 and reads == []                 # nothing changed: no header read
+    b = ws_entry(("ep-a", 1), 2, 2)
+    store[b.key] = b
+    assert view.refresh() == 1 and len(reads) == 1 and len(view) == 2
+    store.ring.begin_write(store[a.key].slot).abort()          # a's slot emptied (``clear_slot``)
+    assert view.refresh() == 0 and len(reads) == 2 and view.pinned(a.key) is None and len(view) == 1
+    c = ws_entry(("ep-a", 2), 2, 3)
+    store[c.key] = c
+    pin = view.ring.pin
+    monkeypatch.setattr(view.ring, "pin", lambda *args: None)  # as if c's slot were being rewritten
+    assert view.refresh() == 0 and len(reads) == 3
+    monkeypatch.setattr(view.ring, "pin", pin)
+    assert view.refresh() == 1 and len(reads) == 4 and view.pinned(c.key) is not None   # looked at again
+    assert view.refresh() == 0 and len(reads) == 4
+    view.ring.close()
+
+
+def test_retrieval_over_the_view_scores_a_slot_by_the_episode_it_holds_now(store):
+    """The retriever keeps which rows belong to the episodes it follows between calls; a slot of
+    a followed episode rewritten with another episode's entry must drop out of that set."""
+    from vla_runtime.cache.retrieval import RetrievalConfig, Retriever
+
+    a = ws_entry(("ep-a", 0), 2, 1)
+    b = ws_entry(("ep-b", 0), 2, 2)
+    store[a.key], store[b.key] = a, b
+    view = _view(store, ["ep-a", "ep-b"])
+    view.refresh()
+    r = Retriever(RetrievalConfig(top_t=1, history_len=view.history_len, min_similarity=-1.0), view)
+    r.start_episode("task", max_calls=10)
+    h = np.zeros((view.history_len, view.state_dim), dtype=np.float32)
+    assert r.query(a.retrieval, h).key == a.key and r.candidate_episodes() == ["ep-a"]
+    assert r.query(b.retrieval, h).key == a.key                   # ep-b is not followed
+    slot = store[a.key].slot
+    del store[a.key]
+    b1 = ws_entry(("ep-b", 1), 2, 3)
+    store[b1.key] = b1                                            # ep-b's entry where ep-a's was
+    assert store[b1.key].slot == slot and view.refresh() == 1
+    assert r.query(b1.retrieval, h) is None and r.reason == "no prepared candidates"
+    view.ring.close()

@@ -113,6 +113,7 @@ class EpisodeCodes:
     def __init__(self) -> None:
         self._code_of: dict[str, int] = {}
         self.episode_of_code: list[str] = []
+        self.codes_version = 0   # bumped whenever a row's code changes: masks built from the codes are stale
 
     def code(self, episode_id: str) -> int:
         """Stable integer code of an episode (assigned on first use)."""
@@ -143,6 +144,8 @@ class Candidates(Protocol):
 
     @property
     def episode_code_np(self) -> np.ndarray: ...      # [rows] int64, -1: no candidate
+
+    codes_version: int                                 # changes whenever episode_code_np does
 
     @property
     def histories_np(self) -> np.ndarray: ...         # [rows, L, D] float32
@@ -247,6 +250,7 @@ class CandidateMatrix(EpisodeCodes):
         dst.div_(dst.norm().clamp_min(1e-12))
         self._histories[row].copy_(history.detach())
         self._codes_by_row[row] = self.code(key[0])
+        self.codes_version += 1
         return row
 
     def remove(self, key: Key) -> None:
@@ -261,11 +265,13 @@ class CandidateMatrix(EpisodeCodes):
             self._slot[moved] = row
         self.keys.pop()
         self._codes_by_row[last] = -1
+        self.codes_version += 1
 
     def clear(self) -> None:
         self.keys.clear()
         self._slot.clear()
         self._codes_by_row.fill_(-1)
+        self.codes_version += 1
 
     @classmethod
     def from_tensors(cls, keys: list[Key], features: Tensor, histories: Tensor, capacity: int | None = None,
@@ -314,6 +320,7 @@ class Retriever:
         self.task: str | None = None
         self.max_calls = 0
         self.last_index: dict[str, int] = {}
+        self._checked: Candidates | None = None   # the pack whose shape the query last validated
         self.reset()
 
     # ---------------------------------------------------------------- episode state
@@ -339,6 +346,7 @@ class Retriever:
         self.end_matches = 0
         self._repeats: dict[Key, int] = {}
         self._episodes: list[str] = []
+        self._unfollowed: tuple[Candidates, int, np.ndarray] | None = None   # ``_unfollowed_rows``
 
     def candidate_episodes(self) -> list[str]:
         """The top-T reference episodes chosen by the episode's first successful search."""
@@ -377,25 +385,25 @@ class Retriever:
                 or state_history.shape[1] != pack.state_dim):
             raise ValueError(f"state_history must be [>= {cfg.history_len}, {pack.state_dim}], "
                              f"got {tuple(state_history.shape)}")
-        if pack.history_len < cfg.history_len:
-            raise ValueError(f"task pack histories cover {pack.history_len} calls, "
-                             f"history_len is {cfg.history_len}")
         arms = cfg.arm_slices or ((0, pack.state_dim),)
-        if any(end > pack.state_dim for _, end in arms):
-            raise ValueError(f"arm_slices {arms} exceed the state dimension {pack.state_dim}")
+        if pack is not self._checked:       # a pack's shape is fixed: checked once, not per call
+            if pack.history_len < cfg.history_len:
+                raise ValueError(f"task pack histories cover {pack.history_len} calls, "
+                                 f"history_len is {cfg.history_len}")
+            if any(end > pack.state_dim for _, end in arms):
+                raise ValueError(f"arm_slices {arms} exceed the state dimension {pack.state_dim}")
+            self._checked = pack
 
         if len(pack) == 0:
             self.reason = "no prepared candidates"
             return None
         sims = pack.similarities(features)                         # -inf from here on: not eligible
-        sims[np.isnan(sims)] = -math.inf
+        sims[~np.isfinite(sims)] = -math.inf
         if self._episodes:
-            codes = [pack.code(e) for e in self._episodes]
-            followed = np.zeros(len(pack.episode_of_code) + 1, dtype=bool)   # the last: code -1 (no row)
-            followed[codes] = True
-            sims[~followed[pack.episode_code_np]] = -math.inf
-        eligible = int(np.isfinite(sims).sum())
-        if eligible == 0:
+            sims[self._unfollowed_rows(pack)] = -math.inf
+        idx = _top(sims, cfg.top_t)          # eligible rows first: -inf sorts last
+        values = sims[idx]
+        if not values[0] > -math.inf:
             self.reason = "no prepared candidates"
             return None
 
@@ -406,9 +414,8 @@ class Retriever:
             np.maximum.at(best_per_episode, np.maximum(pack.episode_code_np, 0), sims)
             n_eps = int(np.isfinite(best_per_episode).sum())
             self._episodes = [pack.episode_of_code[c] for c in _top(best_per_episode, min(cfg.top_t, n_eps))]
+            self._unfollowed = None
 
-        idx = _top(sims, min(cfg.top_t, eligible))
-        values = sims[idx]
         best = float(values[0])
         self.stats.last_similarity = best
         floor = cfg.first_call_floor.get(self.task) if first_search else None
@@ -421,7 +428,7 @@ class Retriever:
                            f"any reference episode's first scene has to the others (a scene the repository "
                            f"does not cover); ") + "dense for the rest of the episode"
             return None
-        keep = values >= cfg.min_similarity          # never rerank onto a visually poor match
+        keep = values >= cfg.min_similarity          # never rerank onto a visually poor match (nor an ineligible row)
         values, idx = values[keep], idx[keep]
 
         if isinstance(state_history, Tensor):
@@ -450,6 +457,17 @@ class Retriever:
             return None
         self.reason = ""
         return match
+
+    def _unfollowed_rows(self, pack: Candidates) -> np.ndarray:
+        """[rows] bool: rows whose episode is not one the episode follows (its first search's
+        top-T). Kept until the pack's codes or the followed episodes change: a call reuses it."""
+        kept = self._unfollowed
+        if kept is None or kept[0] is not pack or kept[1] != pack.codes_version:
+            codes = [pack.code(e) for e in self._episodes]   # first: may give an episode its code
+            followed = np.zeros(len(pack.episode_of_code) + 1, dtype=bool)   # the last: code -1 (no row)
+            followed[codes] = True
+            kept = self._unfollowed = (pack, pack.codes_version, ~followed[pack.episode_code_np])
+        return kept[2]
 
 
 def _history_distance(histories: np.ndarray, current: np.ndarray,

@@ -557,6 +557,7 @@ class RingBuffer:
         self._w[lock] = int(self._w[lock]) + 1  # odd: being written
         self._fence()
         self._w[self._hword(wr.slot, C.H_SEQ)] = -1
+        self._bump_changes()
         wr.seq, wr._open, self._pending = seq, True, wr
         return wr
 
@@ -574,6 +575,7 @@ class RingBuffer:
         lock = self._hword(s, C.H_SEQLOCK)
         w[lock] = int(w[lock]) + 1  # even: complete
         w[C.W_LATEST] = wr.seq
+        self._bump_changes()
         w[C.W_HEARTBEAT] = time.monotonic_ns()
         self._next_seq = wr.seq + 1
         wr._open, self._pending = False, None
@@ -583,7 +585,13 @@ class RingBuffer:
         self._fence()
         lock = self._hword(wr.slot, C.H_SEQLOCK)
         self._w[lock] = int(self._w[lock]) + 1  # even again; header sequence stays -1 (no payload)
+        self._bump_changes()
         wr._open, self._pending = False, None
+
+    def _bump_changes(self) -> None:
+        """After a header change: the count a reader compares moves only once the change is visible."""
+        self._fence()
+        self._w[C.W_CHANGES] += 1
 
     def heartbeat(self) -> None:
         """Tell readers the writer is alive while it has nothing to publish."""
@@ -643,6 +651,15 @@ class RingBuffer:
         if int(w[self._hword(slot, C.H_SEQLOCK)]) & 1:
             return -1
         return int(w[self._hword(slot, C.H_SEQ)])
+
+    @property
+    def changes(self) -> int:
+        """How many times a slot header changed (a write begun, committed or aborted): read before
+        ``slot_seqs``, an equal count later means no slot changed since (one word, no header read)."""
+        self._check_open()
+        n = int(self._w[C.W_CHANGES])
+        self._fence()   # the headers read after this are no older than the count
+        return n
 
     def slot_seqs(self) -> np.ndarray:
         """``slot_seq`` of every slot at once (one vectorised read of the headers)."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -65,7 +66,9 @@ class WindowView(EpisodeCodes):
 
     def _forget_all(self) -> None:
         slots = self.ring.slots
+        version = getattr(self, "codes_version", 0) + 1   # never back to a value a mask was built at
         EpisodeCodes.__init__(self)
+        self.codes_version = version
         self._seen = np.full(slots, -1, dtype=np.int64)            # sequence last looked at, per slot
         self._slot_codes = np.full(slots, -1, dtype=np.int64)           # episode code; -1: no candidate
         self._inv_norm = np.zeros(slots, dtype=np.float32)
@@ -74,7 +77,8 @@ class WindowView(EpisodeCodes):
         self._entries: list[PreparedEntry | None] = [None] * slots   # each candidate's entry, in place
         self.keys: list[EntryKey | None] = [None] * slots
         self._slot_of: dict[EntryKey, int] = {}
-        self._spans: tuple[list[int], list[int]] | None = None      # the product's row spans (``_spans_now``)
+        self._plan: _ProductPlan | None = None      # the product's spans and masks (``_plan_now``)
+        self._changes_seen = -1   # the ring's header change count when the view was last complete
 
     def follow_task(self, task: str, episodes: Iterable[str]) -> None:
         """Candidates from now on: the prepared entries of ``episodes`` (the task's references)."""
@@ -85,8 +89,12 @@ class WindowView(EpisodeCodes):
 
     def refresh(self) -> int:
         """Take in the slots whose sequence changed since the last call; returns the entries that
-        became candidates. Costs one vectorised read of the headers when nothing changed."""
-        added = 0
+        became candidates. Costs one word's read when no slot header changed since the view was
+        last complete (``RingBuffer.changes``), one vectorised read of the headers otherwise."""
+        changes = self.ring.changes
+        if changes == self._changes_seen:
+            return 0
+        added, complete = 0, True
         seqs = self.ring.slot_seqs()
         for slot in np.flatnonzero(seqs != self._seen).tolist():
             seq = int(seqs[slot])
@@ -96,7 +104,8 @@ class WindowView(EpisodeCodes):
                 continue
             pin = self.ring.pin(slot, seq)
             if pin is None or not isinstance(pin.meta, dict):
-                continue                                    # being rewritten: looked at again next call
+                complete = False                            # being rewritten: looked at again next call
+                continue
             meta = pin.meta
             if "window" in meta:                            # the window's state, not an entry
                 self.window, self._seen[slot] = meta["window"], seq
@@ -105,14 +114,17 @@ class WindowView(EpisodeCodes):
             if meta.get("selectable") and key[0] in self._episodes:
                 norm = _norm(self._features_np[slot])
                 if not pin.valid():                         # rewritten while its norm was taken
+                    complete = False
                     continue
                 self._inv_norm[slot] = 1.0 / max(norm, 1e-12)
                 self._slot_codes[slot], self._locks[slot] = self.code(key[0]), pin.lock_word
                 self._pins[slot], self.keys[slot], self._slot_of[key] = pin, key, slot
                 self._entries[slot] = pinned_entry(pin)   # views, built here: mostly between calls
-                self._spans = None
+                self._plan = None
+                self.codes_version += 1
                 added += 1
             self._seen[slot] = seq
+        self._changes_seen = changes if complete else -1
         return added
 
     def _query_buffer(self) -> Tensor:
@@ -126,14 +138,15 @@ class WindowView(EpisodeCodes):
         product then finds more of them in the CPU's caches than in main memory (at ``pi05-mw``,
         24 slots of 16k float32 features, 1.5 MB: the product over cold features was the largest
         part of a call's selection)."""
-        self._product(self._query_buffer(), np.empty(self.ring.slots, dtype=np.float32))
+        self._product(self._query_buffer(), self._plan or self._plan_now())
 
     def _forget(self, slot: int) -> None:
         key = self.keys[slot]
         if key is not None and self._slot_of.get(key) == slot:   # not if the entry moved to a slot taken in first
             del self._slot_of[key]
         if self._slot_codes[slot] >= 0:
-            self._spans = None
+            self._plan = None
+            self.codes_version += 1
         self.keys[slot], self._pins[slot], self._entries[slot] = None, None, None
         self._slot_codes[slot], self._inv_norm[slot] = -1, 0.0
 
@@ -174,54 +187,74 @@ class WindowView(EpisodeCodes):
 
     def similarities(self, features: Tensor) -> np.ndarray:
         """[slots] cosine similarity of the query to each slot's entry, -inf where a slot holds no
-        candidate or was written since its pin (its score may mix two payloads)."""
+        candidate or was written since its pin (its score may mix two payloads). The view's own
+        buffer: valid until the next call."""
         q = features.detach().reshape(-1)
         if q.dtype != self._features.dtype or q.device.type != "cpu" or not q.is_contiguous():
             q = self._query_buffer().copy_(q)                       # the call's features, as float32
-        sims = np.full(self.ring.slots, -math.inf, dtype=np.float32)
-        self._product(q, sims)
-        out = self._slot_codes < 0
-        out |= self.ring.seqlocks() != self._locks
-        # free slots read through in a gap hold whatever they last held (any float, inf and nan
-        # included): not scaled
+        plan = self._plan or self._plan_now()
+        self._product(q, plan)
+        sims = plan.sims
+        # written since its pin, or no candidate: free slots read through in a gap hold whatever
+        # they last held (any float, inf and nan included), so they are not scaled
+        out = np.not_equal(self.ring.seqlocks(), self._locks, out=plan.out)
+        out |= plan.not_candidate
         scale = 1.0 / max(math.sqrt(float(torch.dot(q, q))), 1e-12)   # torch: this process's thread setting
-        np.multiply(sims, self._inv_norm * scale, out=sims, where=~out)
+        np.multiply(sims, plan.inv_norm * scale, out=sims, where=~out)
         sims[out] = -math.inf
         return sims
 
-    def _product(self, q: Tensor, sims: np.ndarray) -> None:
-        """``sims[slot] = features[slot] . q`` over the candidate slots, read in place: one product
-        per span of candidate slots. Why not every slot: the working set has room for the whole
-        window and its spare slots, and after an episode's first search it holds few candidates
-        (2-16 of 27 at ``pi05-small``, where a slot's features are 768 KB); the product over every
-        slot read all 21 MB, from main memory after the vision tower, and was most of a call's
-        selection. A gap of other slots between two spans is read through when it is smaller
-        than ``GAP_READ_BYTES`` (what a product's dispatch costs in memory time: at ``pi05-mw``,
-        64 KB a slot, several products cost more than one over a few spare slots). Their scores
-        are not candidates' and are masked by the caller. ``rows_scored``: the slots read."""
-        if self._spans is None:
-            self._spans = self._spans_now()
-        starts, ends = self._spans
-        out = torch.from_numpy(sims)
-        for a, b in zip(starts, ends):
-            torch.mv(self._features[a:b], q, out=out[a:b])
-        self.rows_scored = sum(ends) - sum(starts)
+    def _product(self, q: Tensor, plan: _ProductPlan) -> None:
+        """``plan.sims[slot] = features[slot] . q`` over the plan's spans of slots, read in place."""
+        for rows, out in plan.spans:
+            torch.mv(rows, q, out=out)
+        self.rows_scored = plan.rows_scored
 
-    def _spans_now(self) -> tuple[list[int], list[int]]:
-        """The product's spans of slots (starts, ends), candidates and the short gaps between
-        them; kept until a candidate comes or goes (``refresh``), so a call does not compute them."""
+    def _plan_now(self) -> _ProductPlan:
+        """The product's spans of slots, candidates and the short gaps between them, and the masks
+        a call applies after it; kept until a candidate comes or goes (``refresh``), so a call
+        computes none of it.
+
+        Why spans, not every slot: the working set has room for the whole window and its spare
+        slots, and after an episode's first search it holds few candidates (2-16 of 27 at
+        ``pi05-small``, where a slot's features are 768 KB); the product over every slot read all
+        21 MB, from main memory after the vision tower, and was most of a call's selection. A gap
+        of other slots between two spans is read through when it is smaller than
+        ``GAP_READ_BYTES`` (what a product's dispatch costs in memory time: at ``pi05-mw``, 64 KB a
+        slot, several products cost more than one over a few spare slots); their scores are
+        masked (``not_candidate``)."""
+        slots = self.ring.slots
+        sims = np.full(slots, -math.inf, dtype=np.float32)
+        out = torch.from_numpy(sims)
         rows = np.flatnonzero(self._slot_codes >= 0)
-        if not len(rows):
-            return [], []
-        gap_rows = self.GAP_READ_BYTES // (self.feature_dim * self._features.element_size())
-        cuts = np.flatnonzero(np.diff(rows) > gap_rows + 1)
-        starts = rows[np.concatenate(([0], cuts + 1))].tolist()
-        ends = (rows[np.concatenate((cuts, [len(rows) - 1]))] + 1).tolist()
-        return starts, ends
+        spans: list[tuple[Tensor, Tensor]] = []
+        scored = 0
+        if len(rows):
+            gap_rows = self.GAP_READ_BYTES // (self.feature_dim * self._features.element_size())
+            cuts = np.flatnonzero(np.diff(rows) > gap_rows + 1)
+            starts = rows[np.concatenate(([0], cuts + 1))].tolist()
+            ends = (rows[np.concatenate((cuts, [len(rows) - 1]))] + 1).tolist()
+            spans = [(self._features[a:b], out[a:b]) for a, b in zip(starts, ends)]
+            scored = sum(ends) - sum(starts)
+        self._plan = _ProductPlan(spans, scored, sims, self._slot_codes < 0, self._inv_norm.copy(),
+                                  np.zeros(slots, dtype=bool))
+        return self._plan
 
     # CandidateSource
     def candidates(self, task: str) -> WindowView | None:
         return self if task == self.task else None
+
+
+@dataclass
+class _ProductPlan:
+    """What a query needs that changes only when candidates come or go (``WindowView._plan_now``)."""
+
+    spans: list[tuple[Tensor, Tensor]]   # per span of slots: its features [n, F] and its scores [n], views
+    rows_scored: int                     # slots the spans cover
+    sims: np.ndarray                     # [slots] the scores, written by the spans' products (the query's result)
+    not_candidate: np.ndarray            # [slots] bool: slots holding no candidate (never eligible)
+    inv_norm: np.ndarray                 # [slots] 1 / |features| of each candidate, 0 elsewhere
+    out: np.ndarray                      # [slots] bool scratch: not eligible this call
 
 
 def _norm(v: np.ndarray) -> float:
