@@ -668,6 +668,9 @@ def test_every_header_change_moves_the_change_count_and_reads_do_not(name):
         writer.clear_slot(0)
         assert reader.changes == 6 and reader.slot_seq(0) == -1
         assert int(_control_words(name)[C.W_CHANGES]) == 6
+        assert reader.unchanged_since(6) and not reader.unchanged_since(5)
+        writer.begin_write(1)
+        assert not reader.unchanged_since(6)                   # a write begun is a change already
 
 
 def test_a_commit_stamps_now_unless_given_a_stamp_and_publishes_latest_and_heartbeat(name):

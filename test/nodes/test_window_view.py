@@ -223,6 +223,28 @@ def test_refresh_reads_the_headers_only_after_a_change(store, monkeypatch):
     view.ring.close()
 
 
+def test_scores_check_every_slots_lock_only_after_a_change(store, monkeypatch):
+    """After the product, pins taken since the ring's change count was read are still valid when
+    the count has not moved: one word read instead of every slot's seqlock. A write since (even
+    one only begun) sends the scores through the slot-by-slot check."""
+    a, b = ws_entry(("ep-a", 0), 2, 1), ws_entry(("ep-a", 1), 2, 2)
+    store[a.key], store[b.key] = a, b
+    view = _view(store, ["ep-a"])
+    view.refresh()
+    locks_read = []
+    seqlocks = view.ring.seqlocks
+    monkeypatch.setattr(view.ring, "seqlocks", lambda: locks_read.append(1) or seqlocks())
+    q = torch.randn(4, 6, generator=torch.Generator().manual_seed(17))
+    sims = view.similarities(q)
+    assert locks_read == [] and np.isfinite(sims[[store[a.key].slot, store[b.key].slot]]).all()
+    w = store.ring.begin_write(store[b.key].slot)              # b's slot being rewritten, not taken in yet
+    sims = view.similarities(q)
+    assert locks_read == [1] and np.isneginf(sims[view.pinned(b.key).slot])
+    assert sims[store[a.key].slot] == pytest.approx(_cos(a, q), abs=ATOL)
+    w.abort()
+    view.ring.close()
+
+
 def test_retrieval_over_the_view_scores_a_slot_by_the_episode_it_holds_now(store):
     """The retriever keeps which rows belong to the episodes it follows between calls; a slot of
     a followed episode rewritten with another episode's entry must drop out of that set."""

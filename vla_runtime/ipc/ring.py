@@ -669,6 +669,15 @@ class RingBuffer:
         seqs = self._w[self._hw + C.H_SEQ: self._hw + self.slots * step: step].astype(np.int64)
         return np.where(locks & 1, -1, seqs)
 
+    def unchanged_since(self, changes: int) -> bool:
+        """Read after the caller's reads of pinned views are complete: True when no slot header
+        changed since ``changes`` was read (``changes``), so every pin taken after that read is
+        still valid (one word, where ``seqlocks`` reads every slot's)."""
+        self._check_open()
+        self._payload.copies_done()
+        self._fence()
+        return int(self._w[C.W_CHANGES]) == changes
+
     def seqlocks(self) -> np.ndarray:
         """Every slot's seqlock now (a copy), read after the caller's reads of pinned views are
         complete: where it equals a pin's ``lock_word``, that pin is still valid (``valid()``

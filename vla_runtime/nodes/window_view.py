@@ -195,13 +195,12 @@ class WindowView(EpisodeCodes):
         plan = self._plan or self._plan_now()
         self._product(q, plan)
         sims = plan.sims
-        # written since its pin, or no candidate: free slots read through in a gap hold whatever
-        # they last held (any float, inf and nan included), so they are not scaled
-        out = np.not_equal(self.ring.seqlocks(), self._locks, out=plan.out)
-        out |= plan.not_candidate
-        scale = 1.0 / max(math.sqrt(float(torch.dot(q, q))), 1e-12)   # torch: this process's thread setting
-        np.multiply(sims, plan.inv_norm * scale, out=sims, where=~out)
-        sims[out] = -math.inf
+        # no candidate: free slots read through in a gap hold whatever they last held (any float,
+        # inf and nan included), so -inf before scaling (their scale is 1, never 0 * inf)
+        np.copyto(sims, -math.inf, where=plan.not_candidate)
+        sims *= plan.inv_norm * (1.0 / max(math.sqrt(float(torch.dot(q, q))), 1e-12))   # torch: this process's threads
+        if not self.ring.unchanged_since(self._changes_seen):   # some slot was written: which ones since their pins
+            sims[self.ring.seqlocks() != self._locks] = -math.inf
         return sims
 
     def _product(self, q: Tensor, plan: _ProductPlan) -> None:
@@ -236,8 +235,9 @@ class WindowView(EpisodeCodes):
             ends = (rows[np.concatenate((cuts, [len(rows) - 1]))] + 1).tolist()
             spans = [(self._features[a:b], out[a:b]) for a, b in zip(starts, ends)]
             scored = sum(ends) - sum(starts)
-        self._plan = _ProductPlan(spans, scored, sims, self._slot_codes < 0, self._inv_norm.copy(),
-                                  np.zeros(slots, dtype=bool))
+        not_candidate = self._slot_codes < 0
+        self._plan = _ProductPlan(spans, scored, sims, not_candidate, np.where(not_candidate, 1.0, self._inv_norm)
+                                  .astype(np.float32))
         return self._plan
 
     # CandidateSource
@@ -253,8 +253,7 @@ class _ProductPlan:
     rows_scored: int                     # slots the spans cover
     sims: np.ndarray                     # [slots] the scores, written by the spans' products (the query's result)
     not_candidate: np.ndarray            # [slots] bool: slots holding no candidate (never eligible)
-    inv_norm: np.ndarray                 # [slots] 1 / |features| of each candidate, 0 elsewhere
-    out: np.ndarray                      # [slots] bool scratch: not eligible this call
+    inv_norm: np.ndarray                 # [slots] 1 / |features| of each candidate, 1 elsewhere (their -inf stays)
 
 
 def _norm(v: np.ndarray) -> float:
