@@ -236,8 +236,8 @@ class WindowView(EpisodeCodes):
             spans = [(self._features[a:b], out[a:b]) for a, b in zip(starts, ends)]
             scored = sum(ends) - sum(starts)
         not_candidate = self._slot_codes < 0
-        self._plan = _ProductPlan(spans, scored, sims, not_candidate, np.where(not_candidate, 1.0, self._inv_norm)
-                                  .astype(np.float32))
+        inv_norm = np.where(not_candidate, np.float32(1.0), self._inv_norm)
+        self._plan = _ProductPlan(spans, scored, sims, not_candidate, inv_norm)
         return self._plan
 
     # CandidateSource
