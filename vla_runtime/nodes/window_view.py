@@ -120,8 +120,7 @@ class WindowView(EpisodeCodes):
                 self._slot_codes[slot], self._locks[slot] = self.code(key[0]), pin.lock_word
                 self._pins[slot], self.keys[slot], self._slot_of[key] = pin, key, slot
                 self._entries[slot] = pinned_entry(pin)   # views, built here: mostly between calls
-                self._plan = None
-                self.codes_version += 1
+                self._candidates_changed()
                 added += 1
             self._seen[slot] = seq
         self._changes_seen = changes if complete else -1
@@ -138,15 +137,22 @@ class WindowView(EpisodeCodes):
         product then finds more of them in the CPU's caches than in main memory (at ``pi05-mw``,
         24 slots of 16k float32 features, 1.5 MB: the product over cold features was the largest
         part of a call's selection)."""
-        self._product(self._query_buffer(), self._plan or self._plan_now())
+        self._product(self._query_buffer(), self._current_plan())
+
+    def _candidates_changed(self) -> None:
+        """A candidate came or went: the product plan and masks built from the codes are stale."""
+        self._plan = None
+        self.codes_version += 1
+
+    def _current_plan(self) -> _ProductPlan:
+        return self._plan or self._plan_now()
 
     def _forget(self, slot: int) -> None:
         key = self.keys[slot]
         if key is not None and self._slot_of.get(key) == slot:   # not if the entry moved to a slot taken in first
             del self._slot_of[key]
         if self._slot_codes[slot] >= 0:
-            self._plan = None
-            self.codes_version += 1
+            self._candidates_changed()
         self.keys[slot], self._pins[slot], self._entries[slot] = None, None, None
         self._slot_codes[slot], self._inv_norm[slot] = -1, 0.0
 
@@ -192,7 +198,7 @@ class WindowView(EpisodeCodes):
         q = features.detach().reshape(-1)
         if q.dtype != self._features.dtype or q.device.type != "cpu" or not q.is_contiguous():
             q = self._query_buffer().copy_(q)                       # the call's features, as float32
-        plan = self._plan or self._plan_now()
+        plan = self._current_plan()
         self._product(q, plan)
         sims = plan.sims
         # no candidate: free slots read through in a gap hold whatever they last held (any float,
