@@ -29,17 +29,22 @@ def model() -> Pi05Model:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_buffers_have_the_runtime_dtype_and_the_bytes_they_report(model, dtype):
     """``nbytes`` feeds the memory report (``cache-bench``'s ``action_cache_buffers_bytes``): per
-    expert layer the gathered gate/up rows [2K, W], down rows [K, W], anchor output [T, W] and
-    anchor activations [T, K]; once the full activations [T, H] and the step's gate/up [T, 2K]."""
+    expert layer the anchor output [T, W] and anchor activations [T, K]; once the full activations
+    [T, H] and the step's gate/up [T, 2K]; then, per (group, layer) gathered so far, its gate/up
+    rows [2K, W] and down rows [K, W] (allocated at the first gather, in the runtime dtype)."""
     cfg = model.cfg
     e, t = cfg.expert, cfg.chunk_size
     buf = ActionCacheBuffers(cfg, K, dtype, torch.device("cpu"))
-    tensors = (buf.w_gate_up, buf.w_down, buf.y_anchor, buf.h_anchor, buf.act, buf.gate_up)
+    tensors = (buf.y_anchor, buf.h_anchor, buf.act, buf.gate_up)
     assert all(x.dtype == dtype for x in tensors)
-    assert [tuple(x.shape) for x in tensors] == [(e.depth, 2 * K, e.width), (e.depth, K, e.width),
-                                                 (e.depth, t, e.width), (e.depth, t, K), (t, e.mlp_dim), (t, 2 * K)]
-    elements = e.depth * (2 * K * e.width + K * e.width + t * e.width + t * K) + t * e.mlp_dim + t * 2 * K
-    assert buf.nbytes() == elements * (torch.finfo(dtype).bits // 8)
+    assert [tuple(x.shape) for x in tensors] == [(e.depth, t, e.width), (e.depth, t, K), (t, e.mlp_dim), (t, 2 * K)]
+    fixed = e.depth * (t * e.width + t * K) + t * e.mlp_dim + t * 2 * K
+    size = torch.finfo(dtype).bits // 8
+    assert buf.nbytes() == fixed * size
+    mlp = copy.deepcopy(model.expert_layers[0].mlp).to(dtype)
+    up, down = buf.gathered_weights(1, 0, mlp, torch.arange(K))
+    assert up.dtype == down.dtype == dtype and tuple(up.shape) == (2 * K, e.width) and tuple(down.shape) == (K, e.width)
+    assert buf.nbytes() == (fixed + 3 * K * e.width) * size
 
 
 @pytest.mark.parametrize("shape", [(3, 2, K), (2, 2, K + 1), (2, K), (2, 2, K, 1)])
@@ -111,3 +116,75 @@ def test_a_batch_of_two_is_refused_saying_why(model):
     ac = ActionCache(ActionCacheBuffers(cfg, K, torch.float32, torch.device("cpu")), masks, ((0, 5), (5, 10)), 10)
     with pytest.raises(ValueError, match=r"the Action Cache serves one observation at a time \(batch 1\)"):
         ac(0, 1, model.expert_layers[0].mlp, torch.zeros(2, cfg.chunk_size, cfg.expert.width), model.workspace)
+
+
+def _masks(cfg, seed: int, groups: int = 2) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.stack([torch.randperm(cfg.expert.mlp_dim, generator=g)[:K]
+                                     for _ in range(cfg.expert.depth)]) for _ in range(groups)])
+
+
+def _denoise_mlps(model, buf, masks, x_a, x_t):
+    """Every layer's anchor (step 0 and 5) then one later step per group (3 and 8): the outputs."""
+    ac = ActionCache(buf, masks, ((0, 5), (5, 10)), 10)
+    ws, out = model.workspace.narrow(1), []
+    with torch.no_grad():
+        for anchor, later in ((0, 3), (5, 8)):
+            for layer, block in enumerate(model.expert_layers):
+                ac(layer, anchor, block.mlp, x_a, ws)
+                out.append(ac(layer, later, block.mlp, x_t, ws)[0].clone())
+    return torch.stack(out)
+
+
+def test_a_call_whose_masks_repeat_reuses_the_weights_gathered_before_and_gets_the_same_actions(model):
+    """Calls with masks A, A, B, A, A on one set of buffers: each gathers only the (group, layer)s
+    whose neuron set changed since that (group, layer)'s last gather (2 groups x depth at the first
+    A, none at the repeat, all again at B and back at A; one layer's mask changed: one gather), and
+    every call's outputs are bit-identical to fresh buffers' (a reuse reading rows of another mask,
+    another group's or a stale layer's, would differ by far more than rounding: the masks share few
+    neurons)."""
+    cfg = model.cfg
+    depth = cfg.expert.depth
+    a, b = _masks(cfg, 1), _masks(cfg, 2)
+    a_one_layer = a.clone()
+    a_one_layer[1, depth - 1] = b[1, depth - 1]
+    g = torch.Generator().manual_seed(3)
+    x_a = torch.randn(1, cfg.chunk_size, cfg.expert.width, generator=g)
+    x_t = x_a + 0.3 * torch.randn(x_a.shape, generator=g)
+    buf = ActionCacheBuffers(cfg, K, torch.float32, torch.device("cpu"))
+    gathers = []
+    for masks in (a, a, b, a, a_one_layer):
+        before = buf.gathers
+        got = _denoise_mlps(model, buf, masks.clone(), x_a, x_t)
+        gathers.append(buf.gathers - before)
+        fresh = _denoise_mlps(model, ActionCacheBuffers(cfg, K, torch.float32, torch.device("cpu")), masks, x_a, x_t)
+        assert torch.equal(got, fresh)
+    assert gathers == [2 * depth, 0, 2 * depth, 2 * depth, 1]
+    assert float((_denoise_mlps(model, ActionCacheBuffers(cfg, K, torch.float32, torch.device("cpu")), b, x_a, x_t)
+                  - got).abs().max()) > 1e-3
+
+
+def test_weights_changed_in_place_or_another_model_are_gathered_again(model):
+    """The buffers remember the weights they copied, not only the neurons: the same masks over a
+    model whose weights were changed in place since, or over another model's MLPs, gather again
+    and follow those weights (a reuse would keep the old rows: the outputs would not change)."""
+    cfg = model.cfg
+    masks = _masks(cfg, 5)
+    g = torch.Generator().manual_seed(6)
+    x_a = torch.randn(1, cfg.chunk_size, cfg.expert.width, generator=g)
+    x_t = x_a + 0.3 * torch.randn(x_a.shape, generator=g)
+    other = copy.deepcopy(model)
+    buf = ActionCacheBuffers(cfg, K, torch.float32, torch.device("cpu"))
+    first = _denoise_mlps(other, buf, masks, x_a, x_t)
+    with torch.no_grad():
+        for block in other.expert_layers:
+            block.mlp.down_t.mul_(2.0)
+    before = buf.gathers
+    doubled = _denoise_mlps(other, buf, masks, x_a, x_t)
+    assert buf.gathers - before == 2 * cfg.expert.depth
+    assert torch.equal(doubled, _denoise_mlps(other, ActionCacheBuffers(cfg, K, torch.float32, torch.device("cpu")),
+                                              masks, x_a, x_t))
+    before = buf.gathers
+    back = _denoise_mlps(model, buf, masks, x_a, x_t)
+    assert buf.gathers - before == 2 * cfg.expert.depth
+    assert torch.equal(back, first)

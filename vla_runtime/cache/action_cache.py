@@ -6,9 +6,17 @@ group's mask M (from the retrieved reference), and gathers the rows of gate, up 
 into compact buffers, once per group. A later step of the group then computes only
 ``h_t[M]`` and outputs ``y_a + (h_t[M] - h_a[M]) @ W_down[M]``: the neurons outside M keep their
 anchor contribution instead of being dropped, and no weight outside M is read.
+
+The compact buffers are kept per (group, layer) across calls with the neuron set they hold: a
+call whose reference repeats the last one's masks (in closed loop most consecutive calls pick the
+same reference call while the robot moves slowly through it) reads them as they are instead of
+gathering again. At the widths where the fallback runs (CPU) the gathers are a sizeable part of
+what the masked steps save.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -21,26 +29,59 @@ from .masks import Groups, validate_groups
 
 
 class ActionCacheBuffers:
-    """Static buffers for one engine (batch 1): gathered weights and anchor states per layer."""
+    """Static buffers for one engine (batch 1): anchor states per layer and, for the torch fallback,
+    the gathered weights per (group, layer).
+
+    A (group, layer)'s gathered weights are allocated at its first gather (a CUDA kernel reads M's
+    weights in place and never needs them) and remember what they were gathered from: the neuron
+    set and the weight tensors (storage and in-place version), so a gather is skipped only when it
+    would copy the very same rows again.
+    """
 
     def __init__(self, cfg: Pi05Config, k: int, dtype: torch.dtype, device: torch.device):
         e = cfg.expert
         rows = cfg.chunk_size
         self.k = k
-        self.w_gate_up = torch.empty(e.depth, 2 * k, e.width, dtype=dtype, device=device)
-        self.w_down = torch.empty(e.depth, k, e.width, dtype=dtype, device=device)
+        self.width = e.width
         self.y_anchor = torch.empty(e.depth, rows, e.width, dtype=dtype, device=device)
         self.h_anchor = torch.empty(e.depth, rows, k, dtype=dtype, device=device)
         self.act = torch.empty(rows, e.mlp_dim, dtype=dtype, device=device)
         self.gate_up = torch.empty(rows, 2 * k, dtype=dtype, device=device)
         self.block = mlp_block(e)
+        self._gathered: dict[tuple[int, int], _Gathered] = {}
+        self.gathers = 0                         # gathers done (diagnostics: the others were reused)
 
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in (self.w_gate_up, self.w_down, self.y_anchor, self.h_anchor, self.act, self.gate_up))
+        fixed = sum(t.nbytes for t in (self.y_anchor, self.h_anchor, self.act, self.gate_up))
+        return fixed + sum(g.gate_up.nbytes + g.down.nbytes for g in self._gathered.values())
 
-    def gate_up_rows(self, neurons: Tensor) -> Tensor:
-        """Rows of the blocked ``gate_up`` (flattened) holding the gate then the up weights of ``neurons``."""
-        return gate_up_rows(neurons, self.block)
+    def gathered_weights(self, group: int, layer: int, mlp: GemmaMLP, neurons: Tensor) -> tuple[Tensor, Tensor]:
+        """Compact gate/up [2K, W] and down [K, W] rows of ``neurons`` in ``mlp``, gathered into the
+        (group, layer) buffers unless they already hold exactly these rows."""
+        g = self._gathered.get((group, layer))
+        if g is None:
+            like = self.y_anchor
+            g = self._gathered[(group, layer)] = _Gathered(like.new_empty(2 * self.k, self.width),
+                                                           like.new_empty(self.k, self.width))
+        source = (mlp.gate_up.data_ptr(), mlp.gate_up._version, mlp.down_t.data_ptr(), mlp.down_t._version)
+        if g.source != source or g.neurons is None or not torch.equal(g.neurons, neurons):
+            g.source = None                      # a failed gather must not leave a stale claim
+            torch.index_select(mlp.gate_up.view(-1, mlp.gate_up.shape[-1]), 0, gate_up_rows(neurons, self.block),
+                               out=g.gate_up)
+            torch.index_select(mlp.down_t, 0, neurons, out=g.down)
+            g.source, g.neurons = source, neurons.clone()
+            self.gathers += 1
+        return g.gate_up, g.down
+
+
+@dataclass
+class _Gathered:
+    """One (group, layer)'s compact weights and what they were gathered from."""
+
+    gate_up: Tensor
+    down: Tensor
+    source: tuple[int, int, int, int] | None = None    # (data_ptr, version) of gate_up, then of down_t
+    neurons: Tensor | None = None
 
 
 class ActionCache:
@@ -56,6 +97,8 @@ class ActionCache:
         self.anchors = {a for a, _ in groups}
         # Decided once per call: the CUDA kernel reads M's weights in place, so no gather is needed.
         self.in_place = kernels.would_use_cupy(buffers.y_anchor, "masked_ffn")
+        # what each (group, layer)'s anchor gathered, for the group's later steps
+        self.gathered: list[list[tuple[Tensor, Tensor] | None]] = [[None] * masks.shape[1] for _ in groups]
 
     def __call__(self, layer: int, step: int, mlp: GemmaMLP, x: Tensor, ws: Workspace) -> Tensor:
         buf = self.buf
@@ -63,21 +106,19 @@ class ActionCache:
             raise ValueError("the Action Cache serves one observation at a time (batch 1)")
         if step in self.anchors:
             return self._anchor(layer, step, mlp, x, ws)
-        kernels.masked_ffn(x[0], mlp.gate_up, mlp.down_t, self.masks[self.group_of[step], layer],
+        group = self.group_of[step]
+        kernels.masked_ffn(x[0], mlp.gate_up, mlp.down_t, self.masks[group, layer],
                            h_anchor=buf.h_anchor[layer], y_anchor=buf.y_anchor[layer], out=ws.mlp_out[0],
-                           gathered=None if self.in_place else (buf.w_gate_up[layer], buf.w_down[layer]),
-                           work=buf.gate_up)
+                           gathered=None if self.in_place else self.gathered[group][layer], work=buf.gate_up)
         return ws.mlp_out
 
     def _anchor(self, layer: int, step: int, mlp: GemmaMLP, x: Tensor, ws: Workspace) -> Tensor:
         buf = self.buf
         y = mlp(x, ws, act_out=buf.act)
-        neurons = self.masks[self.group_of[step], layer]
+        group = self.group_of[step]
+        neurons = self.masks[group, layer]
         buf.y_anchor[layer].copy_(y[0])
         torch.index_select(buf.act, 1, neurons, out=buf.h_anchor[layer])
-        if self.in_place:
-            return y
-        torch.index_select(mlp.gate_up.view(-1, mlp.gate_up.shape[-1]), 0, buf.gate_up_rows(neurons),
-                           out=buf.w_gate_up[layer])
-        torch.index_select(mlp.down_t, 0, neurons, out=buf.w_down[layer])
+        if not self.in_place:
+            self.gathered[group][layer] = buf.gathered_weights(group, layer, mlp, neurons)
         return y
