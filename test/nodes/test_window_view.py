@@ -53,13 +53,13 @@ def test_the_view_follows_the_window_by_sequence_numbers(store):
     np.testing.assert_allclose(sims[[sa, sb]], [_cos(a, q), _cos(b, q)], rtol=0, atol=ATOL)
     assert np.isneginf(np.delete(sims, [sa, sb])).all()     # ep-x's slot and the empty ones
     assert view.keys[sa] == a.key and np.array_equal(view.histories_np[sa], a.state_history.numpy())
-    assert view.pinned(b.key).slot == sb and view.pinned(b.key).seq == store[b.key].seq
+    assert view.entry(b.key)[0].slot == sb and view.entry(b.key)[0].seq == store[b.key].seq
     del store[a.key]
-    assert view.refresh() == 0 and len(view) == 1 and view.pinned(a.key) is None
+    assert view.refresh() == 0 and len(view) == 1 and view.entry(a.key) is None
     assert np.isneginf(view.similarities(q)[sa])
     c = ws_entry(("ep-a", 2), 2, 4)
     store[c.key] = c                                        # reuses a's slot with a new sequence
-    assert store[c.key].slot == sa and view.refresh() == 1 and view.pinned(c.key).slot == sa
+    assert store[c.key].slot == sa and view.refresh() == 1 and view.entry(c.key)[0].slot == sa
     assert view.similarities(q)[sa] == pytest.approx(_cos(c, q), abs=ATOL)
     view.ring.close()
 
@@ -112,7 +112,7 @@ def test_a_slot_written_after_it_was_taken_in_does_not_score(store):
     view = _view(store, ["ep-a"])
     q = torch.randn(4, 6, generator=torch.Generator().manual_seed(3))
     view.refresh()
-    pin = view.pinned(b.key)
+    pin = view.entry(b.key)[0]
     store[b.key] = ws_entry(b.key, 2, 7)                    # the cache manager rewrites b's slot
     sims = view.similarities(q)
     assert not pin.valid() and math.isinf(sims[pin.slot]) and sims[pin.slot] < 0
@@ -134,7 +134,7 @@ def test_an_entry_moved_to_a_slot_taken_in_first_stays_a_candidate(store):
     store[x.key], store[k.key] = x, k
     assert store[k.key].slot < old_slot and store[x.key].slot == old_slot
     view.refresh()
-    assert view.pinned(k.key) is not None and view.pinned(k.key).slot == store[k.key].slot
+    assert view.entry(k.key) is not None and view.entry(k.key)[0].slot == store[k.key].slot
     assert len(view) == 3 and view.keys[old_slot] == x.key
     view.ring.close()
 
@@ -211,14 +211,14 @@ def test_refresh_reads_the_headers_only_after_a_change(store, monkeypatch):
     store[b.key] = b
     assert view.refresh() == 1 and len(reads) == 1 and len(view) == 2
     store.ring.begin_write(store[a.key].slot).abort()          # a's slot emptied (``clear_slot``)
-    assert view.refresh() == 0 and len(reads) == 2 and view.pinned(a.key) is None and len(view) == 1
+    assert view.refresh() == 0 and len(reads) == 2 and view.entry(a.key) is None and len(view) == 1
     c = ws_entry(("ep-a", 2), 2, 3)
     store[c.key] = c
     pin = view.ring.pin
     monkeypatch.setattr(view.ring, "pin", lambda *args: None)  # as if c's slot were being rewritten
     assert view.refresh() == 0 and len(reads) == 3
     monkeypatch.setattr(view.ring, "pin", pin)
-    assert view.refresh() == 1 and len(reads) == 4 and view.pinned(c.key) is not None   # looked at again
+    assert view.refresh() == 1 and len(reads) == 4 and view.entry(c.key) is not None   # looked at again
     assert view.refresh() == 0 and len(reads) == 4
     view.ring.close()
 
@@ -239,7 +239,7 @@ def test_scores_check_every_slots_lock_only_after_a_change(store, monkeypatch):
     assert locks_read == [] and np.isfinite(sims[[store[a.key].slot, store[b.key].slot]]).all()
     w = store.ring.begin_write(store[b.key].slot)              # b's slot being rewritten, not taken in yet
     sims = view.similarities(q)
-    assert locks_read == [1] and np.isneginf(sims[view.pinned(b.key).slot])
+    assert locks_read == [1] and np.isneginf(sims[view.entry(b.key)[0].slot])
     assert sims[store[a.key].slot] == pytest.approx(_cos(a, q), abs=ATOL)
     w.abort()
     view.ring.close()

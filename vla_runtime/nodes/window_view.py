@@ -13,7 +13,7 @@ whose seqlock word says whether the slot was written since.
 A view of shared memory can change under the reader, so what is read counts only where the slot
 was not written meanwhile: scores of slots written since their pin are not eligible (checked for
 all slots at once after the product), and the caller checks the chosen entry's pin once more after
-the joint-history rerank (``pinned``): a slot rewritten mid-read means a dense call, never a wrong
+the joint-history rerank (``entry``): a slot rewritten mid-read means a dense call, never a wrong
 reference.
 """
 
@@ -156,15 +156,10 @@ class WindowView(EpisodeCodes):
         self.keys[slot], self._pins[slot], self._entries[slot] = None, None, None
         self._slot_codes[slot], self._inv_norm[slot] = -1, 0.0
 
-    def pinned(self, key: EntryKey) -> PinnedSlot | None:
-        """The pin a candidate was taken in with (its slot and sequence; ``valid()`` says whether
-        the slot is still as it was when scored)."""
-        slot = self._slot_of.get(key)
-        return None if slot is None else self._pins[slot]
-
     def entry(self, key: EntryKey) -> tuple[PinnedSlot, PreparedEntry] | None:
-        """A candidate's pin and its ``PreparedEntry`` of views into the slot (built when the
-        candidate was taken in; valid while the pin is)."""
+        """A candidate's pin (its slot and sequence when taken in; ``valid()`` says whether the slot
+        is still as it was when scored) and its ``PreparedEntry`` of views into the slot (built
+        when the candidate was taken in; valid while the pin is)."""
         slot = self._slot_of.get(key)
         if slot is None:
             return None
