@@ -580,32 +580,6 @@ def test_ratios_are_reported_not_adopted_by_default(policy, tmp_path, tolerance)
     assert repo.meta.rho_n == 0.5 and repo.load_episode("A").tensors["masks"].shape[-1] == 64
 
 
-def test_the_default_profile_crosses_every_rho_p_with_every_rho_n_sharing_buffers_per_rho_n(policy, tmp_path,
-                                                                                            monkeypatch):
-    """The halves' deviations are not tied, so the default grid is every rho_p with every rho_n
-    (PROFILE_RHO_P x PROFILE_RHO_N), each point profiled on every held-out call. The grid's
-    engines of one rho_n share one set of Action Cache buffers (16 private sets would hold 4x the
-    gathered weights a full-size model needs): one set per rho_n, plus the half timing's engine."""
-    from vla_runtime.engine import cached as cached_mod
-    made = []
-
-    class Counted(cached_mod.ActionCacheBuffers):
-        def __init__(self, *args, **kw):
-            super().__init__(*args, **kw)
-            made.append(self.k)
-
-    monkeypatch.setattr(cached_mod, "ActionCacheBuffers", Counted)
-    s = build_repository_from(policy, HASH, refs("A", "A_2"), tmp_path / "r", CALL_PERIOD,
-                              BuildConfig(groups=GROUPS, history_len=HIST), profile_held_out=1, tolerance=1e9,
-                              retrieval=RetrievalConfig(history_len=HIST), half_repeats=1, log=lambda m: None)
-    points = {(p["rho_p"], p["rho_n"]): p for p in s.profile}
-    assert sorted(points) == sorted((a, b) for a in builder_mod.PROFILE_RHO_P for b in builder_mod.PROFILE_RHO_N)
-    assert len(s.profile) == len(points) and all(p["hits"] == 5 for p in s.profile)
-    mlp_dim = policy.engine.cfg.expert.mlp_dim
-    assert sorted(made[:-1]) == sorted(math.ceil(n * mlp_dim) for n in builder_mod.PROFILE_RHO_N)
-    assert len(made) == len(builder_mod.PROFILE_RHO_N) + 1
-
-
 def test_profiling_defaults_are_the_commands(policy, tmp_path, monkeypatch):
     """A profiled build left to its defaults: the ratios within 0.05 (build-cache's --tolerance),
     each half timed with 3 repeats, the ratios reported, not adopted."""

@@ -162,17 +162,3 @@ def test_per_layer_masks_differ_in_the_profiled_entry(setup):
     for g in range(m.shape[0]):
         assert not torch.equal(m[g, 0], m[g, 1])
     assert not torch.equal(m[0, 0], m[1, 0])
-
-
-def test_shared_action_cache_buffers_of_another_size_are_refused_naming_both(setup):
-    """Engines may share Action Cache buffers (a profile's grid, one set per rho_n); buffers made
-    for another mask size would be written past their rows, so they are refused."""
-    from vla_runtime.cache.action_cache import ActionCacheBuffers
-    model = setup[0]
-    mlp_dim = model.cfg.expert.mlp_dim
-    k = CacheConfig(rho_n=0.5).mask_size(mlp_dim)
-    shared = ActionCacheBuffers(model.cfg, k, torch.float32, torch.device("cpu"))
-    assert CachedEngine(model, CacheConfig(rho_n=0.5), buffers=shared).buffers is shared
-    with pytest.raises(ValueError, match=rf"hold {k} neurons in torch.float32 on cpu; this engine needs "
-                                         rf"{CacheConfig(rho_n=0.75).mask_size(mlp_dim)} in torch.float32 on cpu"):
-        CachedEngine(model, CacheConfig(rho_n=0.75), buffers=shared)

@@ -29,7 +29,6 @@ from ..models.gemma import DenoiseFFN
 from ..models.pi05 import Pi05Model
 from ..progress import Progress, silent
 from ..models.flops import cached_flops, dense_flops
-from .action_cache import ActionCacheBuffers
 from .entry import PreparedEntry, reconstruct_entry
 from .half_profile import TimingCase, time_halves
 from .halves import DEFAULT_RHO_N, DEFAULT_RHO_P, HalfTiming
@@ -39,12 +38,7 @@ from .repository import ReferenceCall, ReferenceRepository, RepositoryMeta
 from .retrieval import CandidateMatrix, RetrievalConfig, Retriever, TaskPacks
 
 Log = Callable[[str], None]
-# Every rho_p with every rho_n: the two halves' deviations are not tied (at pi05-mw the action
-# deviation moved with rho_n alone, the same at rho_p 0.4 and 0.6), so a diagonal grid would pay
-# for one half's accuracy with the other's speed.
-PROFILE_RHO_P: tuple[float, ...] = (0.2, 0.4, 0.6, 1.0)
-PROFILE_RHO_N: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0)
-DEFAULT_GRID: tuple[tuple[float, float], ...] = tuple((p, n) for p in PROFILE_RHO_P for n in PROFILE_RHO_N)
+DEFAULT_GRID: tuple[tuple[float, float], ...] = ((0.2, 0.25), (0.4, 0.5), (0.6, 0.75), (1.0, 1.0))
 
 
 @dataclass(frozen=True)
@@ -179,13 +173,7 @@ def profile_ratios(model: Pi05Model, references: dict[str, list[RecordedCall]], 
         hists = torch.stack([references[e][i].call.state_history for e, i in keys])
         packs[task] = CandidateMatrix.from_tensors(keys, feats, hists)
     retriever = Retriever(retrieval, TaskPacks(packs))
-    buffers: dict[float, ActionCacheBuffers] = {}   # one set per rho_n: the calls run one at a time
-
-    def engine(rho_p: float, rho_n: float) -> CachedEngine:
-        e = CachedEngine(model, CacheConfig(rho_p=rho_p, rho_n=rho_n, groups=groups), buffers=buffers.get(rho_n))
-        buffers.setdefault(rho_n, e.buffers)
-        return e
-    engines = {p: engine(*p) for p in grid}
+    engines = {p: CachedEngine(model, CacheConfig(rho_p=p[0], rho_n=p[1], groups=groups)) for p in grid}
     dense = DenseEngine(model, tap_retrieval_features=True)
     entries: dict[tuple[str, int], PreparedEntry] = {}
     devs: dict[tuple[float, float], list[float]] = {p: [] for p in grid}

@@ -54,18 +54,11 @@ def same_camera_layout(entry: PreparedEntry, image_mask: Tensor) -> bool:
 
 
 class CachedEngine(DenseEngine):
-    def __init__(self, model: Pi05Model, cache: CacheConfig = CacheConfig(),
-                 buffers: ActionCacheBuffers | None = None, **kwargs):
-        """``buffers``: the Action Cache's, shared with other engines over the same model and
-        rho_n whose calls never overlap (a profile's grid); by default the engine's own."""
+    def __init__(self, model: Pi05Model, cache: CacheConfig = CacheConfig(), **kwargs):
         super().__init__(model, max_batch=1, tap_retrieval_features=True, **kwargs)
         self.cache = cache.validate(model.cfg.num_steps)
         k = cache.mask_size(model.cfg.expert.mlp_dim)
-        if buffers is not None and (buffers.k != k or buffers.y_anchor.dtype != self.dtype
-                                    or buffers.y_anchor.device != self.device):
-            raise ValueError(f"shared Action Cache buffers hold {buffers.k} neurons in {buffers.y_anchor.dtype} on "
-                             f"{buffers.y_anchor.device}; this engine needs {k} in {self.dtype} on {self.device}")
-        self.buffers = buffers if buffers is not None else ActionCacheBuffers(model.cfg, k, self.dtype, self.device)
+        self.buffers = ActionCacheBuffers(model.cfg, k, self.dtype, self.device)
         self.last_context: ContextCache | None = None
         self._static_entry: PreparedEntry | None = None     # captured phases: the reference's copy
         self._static_masks: Tensor | None = None
