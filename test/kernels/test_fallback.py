@@ -260,8 +260,8 @@ def test_cached_engine_actions_are_unchanged_by_the_kernel_dispatch(monkeypatch)
         if step in self.anchors:
             return self._anchor(layer, step, mlp, x, ws)
         b = self.buf
-        _old_action_step(x[0], b.w_gate_up[layer], b.w_down[layer], b.h_anchor[layer], b.y_anchor[layer], b.gate_up,
-                         ws.mlp_out[0])
+        w_gate_up, w_down = self.gathered[self.group_of[step]][layer]   # what the group's anchor gathered
+        _old_action_step(x[0], w_gate_up, w_down, b.h_anchor[layer], b.y_anchor[layer], b.gate_up, ws.mlp_out[0])
         return ws.mlp_out
 
     def old_context_call(self, layer, mlp, x):
