@@ -22,9 +22,9 @@ import torch
 from torch import Tensor
 
 from .. import kernels
-from ..kernels.fallback import gate_up_rows
+from ..kernels.fallback import gather_masked_weights
 from ..models.config import Pi05Config
-from ..models.gemma import GemmaMLP, Workspace, mlp_block
+from ..models.gemma import GemmaMLP, Workspace
 from .masks import Groups, validate_groups
 
 
@@ -47,7 +47,6 @@ class ActionCacheBuffers:
         self.h_anchor = torch.empty(e.depth, rows, k, dtype=dtype, device=device)
         self.act = torch.empty(rows, e.mlp_dim, dtype=dtype, device=device)
         self.gate_up = torch.empty(rows, 2 * k, dtype=dtype, device=device)
-        self.block = mlp_block(e)
         self._gathered: dict[tuple[int, int], _Gathered] = {}
         self.gathers = 0                         # gathers done (diagnostics: the others were reused)
 
@@ -66,9 +65,7 @@ class ActionCacheBuffers:
         source = (mlp.gate_up.data_ptr(), mlp.gate_up._version, mlp.down_t.data_ptr(), mlp.down_t._version)
         if g.source != source or g.neurons is None or not torch.equal(g.neurons, neurons):
             g.source = None                      # a failed gather must not leave a stale claim
-            torch.index_select(mlp.gate_up.view(-1, mlp.gate_up.shape[-1]), 0, gate_up_rows(neurons, self.block),
-                               out=g.gate_up)
-            torch.index_select(mlp.down_t, 0, neurons, out=g.down)
+            gather_masked_weights(mlp.gate_up, mlp.down_t, neurons, out=(g.gate_up, g.down))
             g.source, g.neurons = source, neurons.clone()
             self.gathers += 1
         return g.gate_up, g.down

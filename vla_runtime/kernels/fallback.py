@@ -21,11 +21,17 @@ def gate_up_rows(neurons: Tensor, block: int) -> Tensor:
     return torch.cat([gate, gate + block])
 
 
-def gather_masked_weights(gate_up: Tensor, down_t: Tensor, neurons: Tensor) -> tuple[Tensor, Tensor]:
-    """Compact copies ([2K, W] gate then up rows, [K, W] down rows) of the selected neurons' weights."""
+def gather_masked_weights(gate_up: Tensor, down_t: Tensor, neurons: Tensor,
+                          out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+    """Compact copies ([2K, W] gate then up rows, [K, W] down rows) of the selected neurons' weights
+    (into ``out``, the Action Cache's static buffers, when given)."""
     block = gate_up.shape[1] // 2
     flat = gate_up.reshape(-1, gate_up.shape[-1])
-    return flat.index_select(0, gate_up_rows(neurons, block)), down_t.index_select(0, neurons)
+    if out is None:
+        return flat.index_select(0, gate_up_rows(neurons, block)), down_t.index_select(0, neurons)
+    torch.index_select(flat, 0, gate_up_rows(neurons, block), out=out[0])
+    torch.index_select(down_t, 0, neurons, out=out[1])
+    return out
 
 
 def masked_ffn(x: Tensor, gate_up: Tensor, down_t: Tensor, neurons: Tensor, h_anchor: Tensor | None = None,
