@@ -192,3 +192,15 @@ def test_denoise_loop_allocates_no_activation_memory(tiny):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         tiny.prefill(prefix)
     assert sum(max(k.self_cpu_memory_usage, 0) for k in prof.key_averages()) > 10 * one_step
+
+
+@torch.no_grad()
+def test_tapped_retrieval_features_are_row_major(tiny):
+    """The tower's tapped state (the cache's retrieval query) comes out [B, N, patches, width] in
+    row-major order, as it is stored and as selection reads it: a query in the patch embedding's
+    transposed layout cost every selection a strided copy."""
+    images = _inputs(tiny.cfg, batch=1)[0]
+    seen = []
+    _, tapped = tiny.embed_images(images, tiny.cfg.retrieval_layer, on_tap=seen.append)
+    assert tapped.is_contiguous() and seen[0].is_contiguous()
+    assert torch.equal(seen[0], tapped)

@@ -57,7 +57,10 @@ class SiglipVisionTower(nn.Module):
         ``on_tap`` is called with the tapped state as soon as layer ``tap_layer`` produced it,
         before the layers after it run (reference selection starts there: rMuscle §5). No layer
         writes into its input, so the tapped state stays as it was."""
-        x = self.patch_embedding(images).flatten(2).transpose(1, 2) + self.position_embedding
+        # contiguous once here: the transposed patch layout would otherwise carry through every
+        # residual add (elementwise results keep their input's strides), so each layer norm and the
+        # tapped features would run over rows with a stride (the features' selection copied them)
+        x = (self.patch_embedding(images).flatten(2).transpose(1, 2) + self.position_embedding).contiguous()
         tapped = None
         for i, layer in enumerate(self.layers, start=1):
             x = layer(x)
