@@ -25,11 +25,14 @@ DRIFT_EPS = 1e-6
 
 
 def token_drift(x: Tensor, ref: Tensor) -> Tensor:
-    """Per-token ``RMS(x - ref) / max(RMS(x), eps)`` over the feature dimension, in fp32."""
+    """Per-token ``RMS(x - ref) / max(RMS(x), eps)`` over the feature dimension, in fp32.
+
+    Computed as a ratio of L2 norms (the RMS's 1/sqrt(n) cancels; the floor scales with it):
+    five operations per VLM layer instead of nine, which at ``pi05-mw``'s widths is what the
+    drift costs."""
     xf, rf = x.float(), ref.float()
-    num = (xf - rf).pow(2).mean(-1).sqrt()
-    den = xf.pow(2).mean(-1).sqrt().clamp_min(DRIFT_EPS)
-    return num / den
+    den = torch.linalg.vector_norm(xf, dim=-1).clamp_min_(DRIFT_EPS * math.sqrt(x.shape[-1]))
+    return torch.linalg.vector_norm(xf - rf, dim=-1).div_(den)
 
 
 @dataclass
