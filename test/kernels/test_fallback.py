@@ -53,12 +53,15 @@ def _randn(*shape: int, dtype=torch.float32, seed: int = 1) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- masked FFN (Action Cache)
 
-def _old_action_step(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, h_anchor: torch.Tensor,
+def _old_action_step(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, h_anchor: torch.Tensor | None,
                      y_anchor: torch.Tensor, work: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """ActionCache's non-anchor step as it was before it went through vla_runtime.kernels."""
-    k = h_anchor.shape[1]
+    """ActionCache's non-anchor step as it was before it went through vla_runtime.kernels
+    (``h_anchor`` None: already folded into ``y_anchor`` by the anchor)."""
+    k = w_down.shape[0]
     gu = torch.mm(x, w_gate_up.t(), out=work)
-    h = gelu_tanh_(gu[:, :k]).mul_(gu[:, k:]).sub_(h_anchor)
+    h = gelu_tanh_(gu[:, :k]).mul_(gu[:, k:])
+    if h_anchor is not None:
+        h.sub_(h_anchor)
     return torch.addmm(y_anchor, h, w_down, out=out)
 
 
@@ -113,6 +116,19 @@ def test_gate_up_rows_address_each_neurons_gate_and_up_rows():
     for i, n in enumerate(neurons.tolist()):
         assert torch.equal(flat[rows[i]], mlp.gate_up[n // b, n % b])
         assert torch.equal(flat[rows[len(neurons) + i]], mlp.gate_up[n // b, b + n % b])
+
+
+def test_gate_up_rows_of_stacked_masks_are_each_masks_rows():
+    """Every (group, layer) mask at once ([G, depth, K] -> [G, depth, 2K]), as the Action Cache
+    computes them once per call: each slice is that mask's own rows."""
+    b = _mlp().block
+    masks = torch.stack([torch.randperm(4 * b, generator=torch.Generator().manual_seed(s))[:5]
+                         for s in range(6)]).view(2, 3, 5)
+    rows = fallback.gate_up_rows(masks, b)
+    assert rows.shape == (2, 3, 10)
+    for g in range(2):
+        for layer in range(3):
+            assert torch.equal(rows[g, layer], fallback.gate_up_rows(masks[g, layer], b))
 
 
 # ----------------------------------------------------------------------------- selected-row FFN (Context Cache)
@@ -261,7 +277,7 @@ def test_cached_engine_actions_are_unchanged_by_the_kernel_dispatch(monkeypatch)
             return self._anchor(layer, step, mlp, x, ws)
         b = self.buf
         w_gate_up, w_down = self.gathered[self.group_of[step]][layer]   # what the group's anchor gathered
-        _old_action_step(x[0], w_gate_up, w_down, b.h_anchor[layer], b.y_anchor[layer], b.gate_up, ws.mlp_out[0])
+        _old_action_step(x[0], w_gate_up, w_down, None, b.y_anchor[layer], b.gate_up, ws.mlp_out[0])   # h_a folded
         return ws.mlp_out
 
     def old_context_call(self, layer, mlp, x):

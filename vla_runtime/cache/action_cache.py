@@ -5,7 +5,10 @@ anchor every expert layer keeps its MLP output ``y_a`` and the activations ``h_a
 group's mask M (from the retrieved reference), and gathers the rows of gate, up and down for M
 into compact buffers, once per group. A later step of the group then computes only
 ``h_t[M]`` and outputs ``y_a + (h_t[M] - h_a[M]) @ W_down[M]``: the neurons outside M keep their
-anchor contribution instead of being dropped, and no weight outside M is read.
+anchor contribution instead of being dropped, and no weight outside M is read. Where the torch
+fallback runs (CPU), the anchor keeps ``y_a - h_a[M] @ W_down[M]`` instead of ``y_a``, so a step
+adds ``h_t[M] @ W_down[M]`` to it with no subtraction: at the widths a CPU runs, each operation's
+dispatch costs about as much as its arithmetic (the CUDA kernel fuses the subtraction).
 
 The compact buffers are kept per (group, layer) across calls with the neuron set they hold: a
 call whose reference repeats the last one's masks (in closed loop most consecutive calls pick the
@@ -16,13 +19,14 @@ what the masked steps save.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from .. import kernels
-from ..kernels.fallback import gather_masked_weights
+from ..kernels.fallback import gate_up_rows, gather_masked_weights
 from ..models.config import Pi05Config
 from ..models.gemma import GemmaMLP, Workspace
 from .masks import Groups, validate_groups
@@ -54,9 +58,11 @@ class ActionCacheBuffers:
         fixed = sum(t.nbytes for t in (self.y_anchor, self.h_anchor, self.act, self.gate_up))
         return fixed + sum(g.gate_up.nbytes + g.down.nbytes for g in self._gathered.values())
 
-    def gathered_weights(self, group: int, layer: int, mlp: GemmaMLP, neurons: Tensor) -> tuple[Tensor, Tensor]:
+    def gathered_weights(self, group: int, layer: int, mlp: GemmaMLP, neurons: Tensor,
+                         rows: Callable[[], Tensor] | None = None) -> tuple[Tensor, Tensor]:
         """Compact gate/up [2K, W] and down [K, W] rows of ``neurons`` in ``mlp``, gathered into the
-        (group, layer) buffers unless they already hold exactly these rows."""
+        (group, layer) buffers unless they already hold exactly these rows. ``rows()`` gives the
+        gate/up rows to gather (``gate_up_rows`` of ``neurons``), asked only when a gather runs."""
         g = self._gathered.get((group, layer))
         if g is None:
             like = self.y_anchor
@@ -65,7 +71,8 @@ class ActionCacheBuffers:
         source = (mlp.gate_up.data_ptr(), mlp.gate_up._version, mlp.down_t.data_ptr(), mlp.down_t._version)
         if g.source != source or g.neurons is None or not torch.equal(g.neurons, neurons):
             g.source = None                      # a failed gather must not leave a stale claim
-            gather_masked_weights(mlp.gate_up, mlp.down_t, neurons, out=(g.gate_up, g.down))
+            gather_masked_weights(mlp.gate_up, mlp.down_t, neurons, out=(g.gate_up, g.down),
+                                  rows=None if rows is None else rows())
             g.source, g.neurons = source, neurons.clone()
             self.gathers += 1
         return g.gate_up, g.down
@@ -96,6 +103,7 @@ class ActionCache:
         self.in_place = kernels.would_use_cupy(buffers.y_anchor, "masked_ffn")
         # what each (group, layer)'s anchor gathered, for the group's later steps
         self.gathered: list[list[tuple[Tensor, Tensor] | None]] = [[None] * masks.shape[1] for _ in groups]
+        self._gate_up_rows: Tensor | None = None   # of every mask at once, at the call's first gather
 
     def __call__(self, layer: int, step: int, mlp: GemmaMLP, x: Tensor, ws: Workspace) -> Tensor:
         buf = self.buf
@@ -104,18 +112,33 @@ class ActionCache:
         if step in self.anchors:
             return self._anchor(layer, step, mlp, x, ws)
         group = self.group_of[step]
-        kernels.masked_ffn(x[0], mlp.gate_up, mlp.down_t, self.masks[group, layer],
-                           h_anchor=buf.h_anchor[layer], y_anchor=buf.y_anchor[layer], out=ws.mlp_out[0],
-                           gathered=None if self.in_place else self.gathered[group][layer], work=buf.gate_up)
+        if self.in_place:
+            kernels.masked_ffn(x[0], mlp.gate_up, mlp.down_t, self.masks[group, layer], h_anchor=buf.h_anchor[layer],
+                               y_anchor=buf.y_anchor[layer], out=ws.mlp_out[0])
+        else:   # the anchor folded h_a[M] into y_anchor: no subtraction per step
+            kernels.masked_ffn(x[0], mlp.gate_up, mlp.down_t, self.masks[group, layer], y_anchor=buf.y_anchor[layer],
+                               out=ws.mlp_out[0], gathered=self.gathered[group][layer], work=buf.gate_up)
         return ws.mlp_out
 
     def _anchor(self, layer: int, step: int, mlp: GemmaMLP, x: Tensor, ws: Workspace) -> Tensor:
         buf = self.buf
+        if step == 0 and layer == 0:   # a call begins: a captured phase replays over masks rewritten in place
+            self._gate_up_rows = None
         y = mlp(x, ws, act_out=buf.act)
         group = self.group_of[step]
         neurons = self.masks[group, layer]
-        buf.y_anchor[layer].copy_(y[0])
         torch.index_select(buf.act, 1, neurons, out=buf.h_anchor[layer])
-        if not self.in_place:
-            self.gathered[group][layer] = buf.gathered_weights(group, layer, mlp, neurons)
+        if self.in_place:
+            buf.y_anchor[layer].copy_(y[0])
+        else:
+            gathered = self.gathered[group][layer] = buf.gathered_weights(
+                group, layer, mlp, neurons, rows=lambda: self._rows(mlp)[group, layer])
+            torch.addmm(y[0], buf.h_anchor[layer], gathered[1], alpha=-1, out=buf.y_anchor[layer])
         return y
+
+    def _rows(self, mlp: GemmaMLP) -> Tensor:
+        """[groups, depth, 2K] gate/up rows of every mask (the expert's layers share one block
+        size): one index computation per call instead of one per gather."""
+        if self._gate_up_rows is None:
+            self._gate_up_rows = gate_up_rows(self.masks, mlp.block)
+        return self._gate_up_rows

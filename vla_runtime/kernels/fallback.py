@@ -16,20 +16,23 @@ from ..models.layers import gelu_tanh_, rms_norm
 
 def gate_up_rows(neurons: Tensor, block: int) -> Tensor:
     """Rows of the flattened blocked ``gate_up`` [nb * 2B, W] holding the gate rows, then the up
-    rows, of ``neurons`` (block c stores the gate rows of neurons [cB, (c+1)B) then their up rows)."""
+    rows, of ``neurons`` [..., K] (block c stores the gate rows of neurons [cB, (c+1)B) then their
+    up rows): [..., 2K], so one call serves every (group, layer) mask of a reference."""
     gate = (neurons // block) * (2 * block) + neurons % block
-    return torch.cat([gate, gate + block])
+    return torch.cat([gate, gate + block], dim=-1)
 
 
 def gather_masked_weights(gate_up: Tensor, down_t: Tensor, neurons: Tensor,
-                          out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+                          out: tuple[Tensor, Tensor] | None = None, rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Compact copies ([2K, W] gate then up rows, [K, W] down rows) of the selected neurons' weights
-    (into ``out``, the Action Cache's static buffers, when given)."""
-    block = gate_up.shape[1] // 2
+    (into ``out``, the Action Cache's static buffers, when given). ``rows``: ``gate_up_rows`` of
+    ``neurons``, when the caller computed it already."""
     flat = gate_up.reshape(-1, gate_up.shape[-1])
+    if rows is None:
+        rows = gate_up_rows(neurons, gate_up.shape[1] // 2)
     if out is None:
-        return flat.index_select(0, gate_up_rows(neurons, block)), down_t.index_select(0, neurons)
-    torch.index_select(flat, 0, gate_up_rows(neurons, block), out=out[0])
+        return flat.index_select(0, rows), down_t.index_select(0, neurons)
+    torch.index_select(flat, 0, rows, out=out[0])
     torch.index_select(down_t, 0, neurons, out=out[1])
     return out
 
