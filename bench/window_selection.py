@@ -12,7 +12,9 @@ that has idle work (``WindowSelector.idle``: taking in those changes, which the 
 does between calls) does it, timed apart (``idle``): it is off the call's path.
 
 The robot replays the repository's reference episodes (each call's stored retrieval features and
-joint state). Per call both selectors choose, in alternating order, on one thread; the report
+joint state). Per call both selectors choose, in alternating order, on one thread (each after
+``--pollute-mb`` of other memory traffic, untimed: in the vision process the ViT pass runs just
+before the selection and leaves little of its data in the CPU's caches); the report
 gives the median and p90 per-call cost of each (wall clock, and this thread's CPU time, which a
 loaded machine inflates less), their ratio, how often they agree and the load average (the
 machine may be shared).
@@ -100,6 +102,12 @@ def run(args: argparse.Namespace) -> dict:
     cpu: dict[str, list[float]] = {"old": [], "new": []}   # this thread's CPU time: what load does not inflate
     idle: dict[str, list[float]] = {"old": [], "new": []}  # the work between calls (not on a call's path)
     found = {"old": 0, "new": 0}
+    traffic = np.ones(int(args.pollute_mb * 2**20) // 4, dtype=np.float32)
+
+    def pollute() -> None:
+        """Read and write ``traffic`` once (what the ViT pass does to the caches before a selection)."""
+        if traffic.size:
+            traffic *= 1.0
     agree = calls = 0
     differ: list[dict] = []
     episode = 0
@@ -115,6 +123,7 @@ def run(args: argparse.Namespace) -> dict:
                         order = ("old", "new") if (calls % 2 == 0) else ("new", "old")
                         choices = {}
                         for name in order:
+                            pollute()
                             c0, t0 = time.thread_time(), time.perf_counter()
                             choices[name] = selectors[name].choose(calls, task, episode, features, state)
                             cost[name].append(time.perf_counter() - t0)
@@ -142,7 +151,7 @@ def run(args: argparse.Namespace) -> dict:
     old, new = _stats(cost["old"]), _stats(cost["new"])
     old_cpu, new_cpu = _stats(cpu["old"]), _stats(cpu["new"])
     return {"checkpoint": str(args.checkpoint), "repository": str(args.repository), "baseline": args.baseline,
-            "threads": torch.get_num_threads(), "repeats": args.repeats, "calls": calls,
+            "threads": torch.get_num_threads(), "repeats": args.repeats, "pollute_mb": args.pollute_mb, "calls": calls,
             "window": {"episodes": spec.episodes, "lookahead": spec.lookahead},
             "old": {**old, "found": found["old"], "thread_cpu": old_cpu,
                     "idle": _stats(idle["old"]) if idle["old"] else None},
@@ -161,6 +170,8 @@ def main() -> int:
     ap.add_argument("--cameras", nargs="+", default=list(DEFAULT_CAMERAS), help="the policy's camera names")
     ap.add_argument("--baseline", default="main", help="git revision whose WindowSelector is the old side")
     ap.add_argument("--repeats", type=int, default=3, help="passes over every reference episode")
+    ap.add_argument("--pollute-mb", type=float, default=0.0,
+                    help="MB of other memory traffic before each selection (the ViT pass before it; 0: none)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     report = run(args)
