@@ -461,7 +461,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--tolerance", type=float, default=0.05,
                     help="mean relative action deviation the profiled ratios may cost")
     ev.add_argument("--caches", default="context,action",
-                    help="comma-separated halves of the cache the cached mode runs: context, action (ablations)")
+                    help="comma-separated halves of the cache the cached mode forces on: context, action "
+                         "(ablations); or auto: what the runtime's auto picks on this machine, as on a robot")
     ev.add_argument("--min-similarity", dest="min_similarity", type=float, default=CacheSpec.min_similarity,
                     help="fallback threshold of every retrieval (cache.min_similarity)")
     ev.add_argument("--first-scene-floor", dest="first_scene_floor", action="store_true",

@@ -220,6 +220,38 @@ def test_the_context_cache_alone_serves_the_prefill_and_denoises_dense(setup):
         EvalSpec(checkpoint=setup["checkpoint"], out=setup["root"], caches=())
 
 
+def test_caches_auto_runs_what_the_runtime_picks_from_the_recorded_timing(setup, tmp_path, monkeypatch):
+    """``--caches auto``: the cached mode's pipeline gets ``auto`` for both halves (it decides at
+    start-up as on a robot), and the report says what that resolves to from the timing the
+    repository records: here the Action Cache measured slower than dense, so it is off."""
+    from vla_runtime.cache.halves import HalfTiming, PhaseTiming
+
+    repo_dir = tmp_path / "repo"
+    shutil.copytree(setup["repo"], repo_dir)
+    ReferenceRepository.open(repo_dir).record_half_timing(HalfTiming(
+        PhaseTiming(0.010, 0.008, 6), PhaseTiming(0.010, 0.012, 6), device="cpu", threads=1, dtype="float32",
+        rho_p=0.4, rho_n=0.5, calls=2, repeats=3))
+    settings = []
+    real = eval_tool.CacheSpec
+
+    def spy(**kw):
+        settings.append((kw["enabled"], kw["context_cache"], kw["action_cache"]))
+        return real(**kw)
+    spec = EvalSpec(checkpoint=setup["checkpoint"], out=tmp_path / "out", tasks=(TASK,), episodes=1, n_execute=4,
+                    max_steps=8, image_size=32, repository=repo_dir, modes=("cached",), caches=("auto",))
+    monkeypatch.setattr(eval_tool, "CacheSpec", spy)
+    report = evaluate(spec, log=lambda m: None)
+    assert settings == [(True, "auto", "auto")]
+    assert report["caches"] == ["auto"]
+    halves = report["cached_halves"]
+    assert (halves["context_cache"], halves["action_cache"]) == (True, False)
+    assert "runs what `auto` picks" in (spec.out / "eval.md").read_text()
+    assert eval_tool.half_settings(("context",)) == ("on", "off")
+    for bad in (("auto", "context"), ("auto", "auto")):
+        with pytest.raises(ValueError, match="caches must be"):
+            EvalSpec(checkpoint=setup["checkpoint"], out=tmp_path, caches=bad)
+
+
 @pytest.mark.parametrize("given", [False, True])
 def test_a_repository_built_by_eval_runs_at_profiled_ratios_unless_given(setup, tmp_path, monkeypatch, given):
     """Built by ``eval`` the repository's ratios are profiled on its own reference episodes (one

@@ -54,6 +54,7 @@ from ..sim.metaworld_env import ACTION_DIM, DEFAULT_CAMERAS, DEFAULT_TASKS, Meta
 CALL_PERIOD_S = 0.5    # bag time between the recorded calls of a reference episode (a synthetic clock)
 MODES = ("dense", "cached", "resampled")   # resampled: the dense policy drawing other noise (a baseline)
 CACHES = ("context", "action")
+AUTO = "auto"   # ``caches=("auto",)``: the cached mode runs what the runtime's own ``auto`` picks at start-up
 # References recorded here go on 5 calls past their success; with them the fallback past the
 # references is not needed (``EvalSpec.max_end_matches``): docs/cache.md, coverage at pi05-mw.
 DEFAULT_REFERENCE_TAIL_CALLS = 5
@@ -83,7 +84,7 @@ class EvalSpec:
     rho_n: float | None = None            # None: profiled (masks of a repository built here), else 0.5
     profile_episodes: int = 2             # reference episodes per task replayed to profile the ratios
     tolerance: float = 0.05               # mean relative action deviation the profiled ratios may cost
-    caches: tuple[str, ...] = CACHES      # which halves of the cache the cached mode runs (ablations)
+    caches: tuple[str, ...] = CACHES      # which halves the cached mode forces on (ablations), or ("auto",)
     min_similarity: float = CacheSpec.min_similarity    # fallback: every query (the profile's default)
     first_scene_floor: bool = False       # fallback: an episode's first scene below the repository's floor
     # fallback past the references; None: none (0) for references recorded here past their success,
@@ -109,8 +110,9 @@ class EvalSpec:
             raise ValueError(f"unknown mode(s) {unknown}; choose from {MODES}")
         if self.profile_episodes < 0 or not self.tolerance > 0:
             raise ValueError("profile_episodes must be >= 0 and tolerance > 0")
-        if not self.caches or set(self.caches) - set(CACHES):
-            raise ValueError(f"caches must be a non-empty subset of {CACHES}, got {list(self.caches)}")
+        if self.caches != (AUTO,) and (not self.caches or set(self.caches) - set(CACHES)):
+            raise ValueError(f"caches must be a non-empty subset of {CACHES}, or ({AUTO!r},) alone, "
+                             f"got {list(self.caches)}")
         if not 0 < self.min_similarity <= 1:
             raise ValueError(f"min_similarity must be in (0, 1], got {self.min_similarity}")
         if isinstance(self.reference_tail_calls, bool) or not isinstance(self.reference_tail_calls, int) \
@@ -209,12 +211,19 @@ def run_episode(env: MetaWorldTask, pipeline, seed: int, n_execute: int, record:
     return res
 
 
+def half_settings(caches: tuple[str, ...]) -> tuple[str, str]:
+    """The cached mode's ``cache.context_cache`` / ``cache.action_cache``: forced on or off, so the
+    success comparison is about the halves asked for, unless ``auto`` is asked for (then the
+    pipeline decides at start-up as a robot's does, from the repository's recorded timing)."""
+    if caches == (AUTO,):
+        return AUTO, AUTO
+    return ("on" if "context" in caches else "off"), ("on" if "action" in caches else "off")
+
+
 def _pipeline(spec: EvalSpec, mode: str, repository: Path | None, tag: str, rho_p: float = DEFAULT_RHO_P):
+    context, action = half_settings(spec.caches)
     cache = CacheSpec(enabled=mode == "cached", repository=str(repository) if repository else None,
-                      rho_p=rho_p,
-                      # forced, never auto: the success comparison is about the halves asked for
-                      context_cache="on" if "context" in spec.caches else "off",
-                      action_cache="on" if "action" in spec.caches else "off",
+                      rho_p=rho_p, context_cache=context, action_cache=action,
                       min_similarity=spec.min_similarity, first_scene_floor=spec.first_scene_floor,
                       max_end_matches=spec.max_end_matches)
     rings = RingNames.tagged(tag)
@@ -413,6 +422,12 @@ def evaluate(spec: EvalSpec, log: Callable[[str], None] = print, progress: Progr
             repository, report["repository"] = build_reference_repository(spec, log, progress)
             report["auto"] = auto_choice(spec, repository, report["repository"]["rho_p"],
                                          report["repository"]["built"], log, progress)
+            if spec.caches == (AUTO,):   # what the pipeline's own start-up resolves (the timing the repository records)
+                halves = resolve_halves(AUTO, AUTO, ReferenceRepository.open(repository, verify=False).meta.half_timing,
+                                        report["repository"]["rho_p"])
+                report["cached_halves"] = {"context_cache": halves.context_cache, "action_cache": halves.action_cache,
+                                           "reason": halves.reason}
+                log(f"the cached mode runs (auto): {halves.reason}")
         if spec.first_scene_floor:
             report["repository"]["first_call_floors"] = first_call_floors(ReferenceRepository.open(repository))
     per_episode: dict[str, list[EpisodeResult]] = {m: [] for m in spec.modes}
@@ -677,7 +692,11 @@ def table(report: dict[str, Any]) -> str:
     if "cached" in modes:
         if "rho_p" in repo:
             text += f"\nratios of the cached mode: rho_p {repo['rho_p']:g}, rho_n {repo['rho_n']:g} ({repo['ratios_from']})\n"
-        if (auto := report.get("auto")) is not None:
+        auto = report.get("auto")
+        if (halves := report.get("cached_halves")) is not None:
+            text += (f"\nthe cached mode runs what `auto` picks at the pipeline's start-up, as on a robot: "
+                     f"{_auto_line(halves)}\n")
+        elif auto is not None:
             text += (f"\nthe cached mode forces the halves it runs ({', '.join(report.get('caches', []))}); with "
                      f"`auto` on this machine the runtime would run: {_auto_line(auto)} "
                      f"(timing {auto['timing_source']})\n")
