@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> dict:
     def pollute() -> None:
         """Read and write ``traffic`` once (what the ViT pass does to the caches before a selection)."""
         if traffic.size:
-            traffic *= 1.0
+            np.multiply(traffic, 1.0, out=traffic)
     agree = calls = 0
     differ: list[dict] = []
     episode = 0
