@@ -38,7 +38,7 @@ import torch
 
 from ..cache.builder import BuildConfig, build_repository_from
 from ..cache.half_profile import time_repository_halves
-from ..cache.halves import DEFAULT_RHO_N, DEFAULT_RHO_P, choose_rho_p, resolve_halves
+from ..cache.halves import DEFAULT_RHO_N, DEFAULT_RHO_P, ResolvedHalves, choose_rho_p, resolve_halves
 from ..cache.repository import ReferenceRepository
 from ..cache.retrieval import fallback_rule, first_call_floors
 from ..engine.policy import Pi05Policy
@@ -340,10 +340,15 @@ def build_reference_repository(spec: EvalSpec, log: Callable[[str], None],
                   "rho_p": rho_p, "rho_n": summary.rho_n, "profile": summary.profile, "ratios_from": source}
 
 
-def auto_choice(spec: EvalSpec, repository: Path, rho_p: float, built: bool,
-                log: Callable[[str], None], progress: Progress = silent) -> dict[str, Any]:
+def _halves_dict(halves: ResolvedHalves) -> dict[str, Any]:
+    return {"context_cache": halves.context_cache, "action_cache": halves.action_cache, "reason": halves.reason}
+
+
+def auto_choice(spec: EvalSpec, repository: Path, rho_p: float, built: bool, log: Callable[[str], None],
+                progress: Progress = silent) -> tuple[dict[str, Any], ResolvedHalves]:
     """What ``cache.context_cache: auto`` / ``action_cache: auto`` would run on this machine with
-    this repository (the cached mode itself forces the halves ``spec.caches`` names).
+    this repository, and what a pipeline started with ``auto`` resolves it to (the same, unless
+    the repository records no timing: the runtime then runs both halves, *unmeasured*).
 
     The decision reads the half timing the repository records (``build-cache --profile``, which
     the repository built here went through when it was profiled). When it records none, the
@@ -351,16 +356,17 @@ def auto_choice(spec: EvalSpec, repository: Path, rho_p: float, built: bool,
     recorded in it when it was built here (a repository given with ``--repository`` is only read).
     """
     repo = ReferenceRepository.open(repository, verify=False)
-    timing, source = repo.meta.half_timing, "recorded by build-cache --profile"
+    timing, source, recorded = repo.meta.half_timing, "recorded by build-cache --profile", True
     if timing is None:
         log("the repository records no half timing: timing each half against dense on its calls ...")
         policy = Pi05Policy.from_checkpoint(spec.checkpoint, camera_names=list(spec.cameras))
         timing = time_repository_halves(policy.engine.model, repo, rho_p, record=built, progress=progress)
         source = "timed by eval on the repository's calls" + (" (now recorded in it)" if built else "")
-    halves = resolve_halves("auto", "auto", timing, rho_p)
+        recorded = built
+    halves = resolve_halves(AUTO, AUTO, timing, rho_p)
     log(f"auto would run: {halves.reason}")
-    return {"context_cache": halves.context_cache, "action_cache": halves.action_cache, "reason": halves.reason,
-            "half_timing": timing.as_dict(), "timing_source": source}
+    runtime = halves if recorded else resolve_halves(AUTO, AUTO, None, rho_p)
+    return {**_halves_dict(halves), "half_timing": timing.as_dict(), "timing_source": source}, runtime
 
 
 @contextlib.contextmanager
@@ -420,14 +426,11 @@ def evaluate(spec: EvalSpec, log: Callable[[str], None] = print, progress: Progr
         # built and timed at the pipeline's thread count, so the halves' timing is the pipeline's
         with _torch_threads(spec.engine.threads):
             repository, report["repository"] = build_reference_repository(spec, log, progress)
-            report["auto"] = auto_choice(spec, repository, report["repository"]["rho_p"],
-                                         report["repository"]["built"], log, progress)
-            if spec.caches == (AUTO,):   # what the pipeline's own start-up resolves (the timing the repository records)
-                halves = resolve_halves(AUTO, AUTO, ReferenceRepository.open(repository, verify=False).meta.half_timing,
-                                        report["repository"]["rho_p"])
-                report["cached_halves"] = {"context_cache": halves.context_cache, "action_cache": halves.action_cache,
-                                           "reason": halves.reason}
-                log(f"the cached mode runs (auto): {halves.reason}")
+            report["auto"], runtime = auto_choice(spec, repository, report["repository"]["rho_p"],
+                                                  report["repository"]["built"], log, progress)
+            if spec.caches == (AUTO,):   # what the pipeline's own start-up resolves
+                report["cached_halves"] = _halves_dict(runtime)
+                log(f"the cached mode runs (auto): {runtime.reason}")
         if spec.first_scene_floor:
             report["repository"]["first_call_floors"] = first_call_floors(ReferenceRepository.open(repository))
     per_episode: dict[str, list[EpisodeResult]] = {m: [] for m in spec.modes}
