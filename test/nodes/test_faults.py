@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -93,6 +94,33 @@ def test_stalled_policy_times_out_and_its_late_chunk_is_never_handed_out(rig):
     finally:
         os.kill(pid, signal.SIGCONT)                               # its chunk for that call now comes late
     _call_and_check(rig, 16)                                      # the next call gets its own chunk
+
+
+def test_the_window_follows_a_call_only_once_the_call_is_over(rig, monkeypatch):
+    """The cache manager slides its window (a dense prefill per entering entry) while the robot
+    executes a chunk, not while the policy denoises it: the call's selection leaves for the cache
+    stage when the call ends, here 2 s after its slot, which a stopped policy stage never answers."""
+    pipeline, _, episode = rig
+    sent: list[tuple[str, float]] = []
+    send = pipeline._send
+
+    def spy(name: str, msg) -> bool:
+        sent.append((name, time.monotonic()))
+        return send(name, msg)
+    monkeypatch.setattr(pipeline, "_send", spy)
+    pid = pipeline.processes["policy"].pid
+    os.kill(pid, signal.SIGSTOP)
+    frame = _frame(episode, 20)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError):
+            pipeline.call(frame.images, np.asarray(frame.state), episode.task, timeout_s=2.0)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert [name for name, _ in sent] == ["vision", "policy", "cache"]
+    assert sent[1][1] - t0 < 1.0 and sent[2][1] - t0 >= 2.0     # slot at once, selection after the call
+    monkeypatch.undo()
+    _call_and_check(rig, 21)                                      # the late chunk is dropped, the next call served
 
 
 def test_policy_killed_mid_call_resumes_without_stale_chunks(rig):

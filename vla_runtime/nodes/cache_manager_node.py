@@ -2,9 +2,10 @@
 
 Thin rclpy wiring around ``CacheStage``. It owns the reference repository and the working set
 (shared memory) the vision node selects from. It is never on a call's path: each
-``ReferenceSelection`` (what the vision node chose, after the fact) slides the working set,
-reconstructing the entries that enter the window while the robot executes the chunk, at a lower
-CPU priority than the nodes that serve calls (``cache.background_nice``). A disabled or refused
+``ReferenceSelection`` (what the vision node chose, after the fact) slides the working set once
+the policy has published that call's chunk (``after_call.AfterCall``), reconstructing the entries
+that enter the window while the robot executes the chunk, at a lower CPU priority than the nodes
+that serve calls (``cache.background_nice``). A disabled or refused
 cache publishes no window, so the vision node runs dense and says why.
 
 A managed (lifecycle) node (``managed.ManagedNode``): configure loads the model and creates the
@@ -20,15 +21,16 @@ import time
 from diagnostic_msgs.msg import DiagnosticArray
 from std_msgs.msg import Empty, String
 
-from vla_runtime.msg import ReferenceSelection
+from vla_runtime.msg import ActionChunk, ReferenceSelection
 
 from ..cache.retrieval import Match
 from ..io.messages import InputError
+from .after_call import AfterCall
 from .conversions import instruction_from_msg
 from .diagnostics import DIAGNOSTICS_TOPIC, POLICY_STATUS, diagnostic_array
 from .managed import ManagedNode
 from .params import CACHE_MANAGER, profile_and_checkpoint, ring_names
-from .prefix_ring import EPISODE_TOPIC, SELECTION_TOPIC, subscribe_instruction
+from .prefix_ring import CHUNK_TOPIC, EPISODE_TOPIC, SELECTION_TOPIC, subscribe_instruction
 from .priority import background_priority
 from .spin import run
 from .stages import CacheStage, Selection, load_policy
@@ -46,6 +48,7 @@ class CacheManagerNode(ManagedNode):
         super().__init__("vla_cache_manager", PARAMETERS)
         self.stage: CacheStage | None = None
         self.nice: int | None = None   # lowered once per process, at the first configure
+        self.after_call = AfterCall()  # selections held until their call's chunk is out
         self.diag_pub = self.create_publisher(DiagnosticArray, DIAGNOSTICS_TOPIC, 10)
 
     def _setup(self) -> None:
@@ -61,8 +64,11 @@ class CacheManagerNode(ManagedNode):
         if self.nice is None:   # once per process: a nice value, once raised, cannot go back down
             self.nice = background_priority(prof.cache.background_nice)
         self.stage = CacheStage(policy, prof.cache, ring_names(v, self.get_namespace()), prof.arm_slices)
+        self.after_call.clear()
         own = self.own
         own(self.create_subscription(ReferenceSelection, SELECTION_TOPIC, self._on_selection, 10))
+        own(self.create_subscription(ActionChunk, CHUNK_TOPIC, self._on_chunk, 10))
+        own(self.create_timer(0.1, self._on_wait_over))
         self.episode = 0   # counted from EPISODE_TOPIC as the policy node counts it (its requests carry it)
         own(self.create_subscription(Empty, EPISODE_TOPIC, self._on_episode_start, 10))
         for sub in subscribe_instruction(self, prof.instruction_topic, self._on_instruction):   # latched or not
@@ -81,15 +87,37 @@ class CacheManagerNode(ManagedNode):
         match = Match(msg.episode_id, int(msg.index), float(msg.similarity), float("nan")) if msg.found else None
         sel = Selection(int(msg.request_seq), msg.task, int(msg.episode), match, tuple(msg.candidates), msg.reason,
                         bool(msg.restart), bool(msg.dense_for_episode))
+        self._follow(self.after_call.add(sel, time.monotonic()))
+
+    def _on_chunk(self, msg: ActionChunk) -> None:
+        """The policy published a call's chunk: the calls up to it are over, their selections due."""
+        if self.active:
+            self._follow(self.after_call.chunk_published(int(msg.call_id), time.monotonic()))
+
+    def _on_wait_over(self) -> None:
+        if self.active:
+            self._follow(self.after_call.overdue(time.monotonic()))
+
+    def _follow(self, selections: list[Selection]) -> None:
+        """Slide the window after the calls that selected ``selections`` (each followed in turn,
+        one upkeep for all)."""
+        if not selections:
+            return
         t0 = time.perf_counter()
         try:
-            self.stage.follow(sel)
+            for sel in selections:
+                self.stage.follow(sel)
             self.stage.upkeep(self.time_available_s)
         except (ValueError, RuntimeError, OSError) as e:   # a broken episode file: dense from now, robot unaffected
             self.get_logger().error(f"working-set upkeep failed, no more references are prepared: {e}")
             self.stage.disable(f"upkeep failed: {e}")
         self.last_upkeep_s = time.perf_counter() - t0
         self._publish_diagnostics()
+
+    def _disable(self) -> None:
+        """Deactivated: stop following, and drop the selections held for calls still running."""
+        super()._disable()
+        self.after_call.clear()
 
     def _on_instruction(self, msg: String) -> None:
         """A new instruction: prepare its task's initial window now, before the first call needs
@@ -126,7 +154,8 @@ class CacheManagerNode(ManagedNode):
             self.time_available_s = float(value) or self.chunk_s
 
     def _publish_diagnostics(self) -> None:
-        values = {"upkeep_s": f"{self.last_upkeep_s:.4f}", "nice": str(self.nice),
+        values = {"upkeep_s": f"{self.last_upkeep_s:.4f}", "selections_held": str(len(self.after_call)),
+                  "nice": str(self.nice),
                   "enabled": str(self.stage.enabled), "time_available_s": f"{self.time_available_s:.3f}"}
         if self.stage.worker is not None:
             values |= self.stage.worker.diagnostics()

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from ..cache.selector import Selection
 from ..engine.policy import Pi05Policy
 from ..ipc.ring import RingBufferError
 from ..models.parts import weight_bytes
@@ -262,6 +263,15 @@ def _policy_main(spec: PipelineSpec, conn: Connection) -> None:
 _MAINS = {"vision": _vision_main, "policy": _policy_main, "cache": _cache_main}
 
 
+@dataclass
+class _SlotMessage:
+    """What the vision stage sent with a call's slot, besides the slot itself."""
+
+    choice: ReferenceChoice | None = None
+    selection: Selection | None = None
+    times: dict[str, float] = field(default_factory=dict)
+
+
 class ProcessPipeline:
     """The three stages as three OS processes (the nodes' deployment, without ROS).
 
@@ -387,8 +397,15 @@ class ProcessPipeline:
         seq = req.request_seq
         if not self._send("vision", ("request", req, images)):
             raise StageDied(f"call {seq}: the vision stage is not running")
-        deadline = time.monotonic() + timeout_s
-        choice, times = None, {}
+        slot = _SlotMessage()
+        try:
+            return self._await_chunk(seq, time.monotonic() + timeout_s, timeout_s, slot)
+        finally:   # whatever the call's outcome, the window follows what it selected, after it
+            self._follow(slot.selection)
+
+    def _await_chunk(self, seq: int, deadline: float, timeout_s: float, slot: "_SlotMessage") -> ChunkResult:
+        """Route call ``seq``'s notes (vision's slot to the policy) until its chunk comes back;
+        ``slot`` keeps what the vision stage said with the slot."""
         while True:
             live = {c: n for n, c in self.conns.items() if c is not None}
             ready = mp_connection.wait(list(live), timeout=max(0.0, deadline - time.monotonic()))
@@ -413,14 +430,20 @@ class ProcessPipeline:
                 elif kind == "refused":
                     raise ValueError(f"call {seq} refused: {msg[2]}")
                 elif kind == "slot":
-                    _, _, note, choice, selection, times = msg
+                    _, _, note, slot.choice, slot.selection, slot.times = msg
                     if not self._send("policy", ("slot", seq, note)):
                         raise StageDied(f"call {seq}: the policy stage is not running")
-                    if selection is not None:   # the window slides while the policy denoises
-                        self._send("cache", ("follow", selection))
                 elif kind == "chunk":
-                    self.last_choice, self.last_times = choice, {**times, "denoise": msg[3]}
+                    self.last_choice, self.last_times = slot.choice, {**slot.times, "denoise": msg[3]}
                     return msg[2]
+
+    def _follow(self, selection: Selection | None) -> None:
+        """Hand the cache manager what a call selected once the call is over: the window then
+        slides (a dense prefill per entering entry) while the robot executes the chunk, not while
+        the policy denoises. Work on the other core slows a call's phases through the memory and
+        caches they share, however low its CPU priority (docs/cache.md, "Background work")."""
+        if selection is not None:
+            self._send("cache", ("follow", selection))
 
     def close(self, timeout_s: float = 10.0) -> None:
         for name in list(self.conns):

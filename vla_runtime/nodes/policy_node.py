@@ -48,7 +48,7 @@ from .managed import SHUTDOWN_WAIT_S, ManagedNode
 from .params import POLICY, profile_and_checkpoint, ring_names
 from .priority import control_priority
 from .request_timeout import Asked, RequestTimeout
-from .prefix_ring import EPISODE_TOPIC, READY_TOPIC, REQUEST_TOPIC, subscribe_instruction
+from .prefix_ring import CHUNK_TOPIC, EPISODE_TOPIC, READY_TOPIC, REQUEST_TOPIC, subscribe_instruction
 from .call_thread import CallThread
 from .spin import CallbackGate, gated, run
 from .tick_loop import TickLoop
@@ -118,7 +118,7 @@ class PolicyNode(ManagedNode):
         own(self.create_subscription(Empty, EPISODE_TOPIC, self._on_episode_start, 10))
         # lifecycle publishers: requests, chunks and commands go out only while active
         self.request_pub = own(lifecycle_pub(PrefixRequest, REQUEST_TOPIC, 10))
-        self.chunk_pub = own(lifecycle_pub(ActionChunk, "vla_runtime/action_chunk", 10))
+        self.chunk_pub = own(lifecycle_pub(ActionChunk, CHUNK_TOPIC, 10))
         self.group_cmd = self.single_cmd = None
         self.traj_pubs, self.group_pubs, self.single_pubs = [], [], []
         self.gripper_traj_pub = self.gripper_array_pub = None

@@ -12,6 +12,7 @@ REQUEST_TOPIC = "vla_runtime/prefix_request"   # policy -> vision: PrefixRequest
 READY_TOPIC = "vla_runtime/slot_ready"         # vision -> policy: SlotReady
 SELECTION_TOPIC = "vla_runtime/reference_selection"   # vision -> cache manager: ReferenceSelection (after the fact)
 EPISODE_TOPIC = "vla_runtime/episode_start"    # robot -> policy: std_msgs/Empty, the same task starts again
+CHUNK_TOPIC = "vla_runtime/action_chunk"       # policy -> robot adapters, recorders, cache manager: ActionChunk
 
 
 def subscribe_instruction(node, topic: str, callback) -> list:
