@@ -49,7 +49,7 @@ def test_cache_on_needs_a_repository_and_off_turns_it_off(tmp_path):
     d = yaml.safe_load((CONFIG / "sim.yaml").read_text())
     d["cache"] = {"enabled": True, "repository": "/r"}
     (tmp_path / "p.yaml").write_text(yaml.safe_dump(d))
-    prof, _ = P.profile_and_checkpoint(_values(profile=str(tmp_path / "p.yaml"), cache="off"))
+    prof, _ = P.profile_and_checkpoint(_values(profile=str(tmp_path / "p.yaml"), cache="off", checkpoint="/c"))
     assert prof.cache.enabled is False
 
 
@@ -68,3 +68,19 @@ def test_ring_names_follow_the_namespace_unless_set():
         P.RingNames("vla_prefix_cell_robot1", "vla_refs_cell_robot1")
     assert P.ring_names({"ring": "mine", "working_set": ""}, "/r2") == P.RingNames("mine", "vla_refs_r2")
     assert P.ring_names({}, "/r2").working_set == "vla_refs_r2"      # the policy node has no 'ring'
+
+
+def test_a_profiles_checkpoint_missing_where_it_resolves_says_to_pass_one(tmp_path):
+    """The sim profile names ``out/demo/checkpoint`` (written by ``demo-data`` in a checkout);
+    loaded from anywhere else (an install's share folder) it resolves to nothing: the node says
+    where it looked and how to give one, instead of a bare loader error."""
+    d = yaml.safe_load((CONFIG / "sim.yaml").read_text())
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "sim.yaml").write_text(yaml.safe_dump(d))
+    with pytest.raises(ValueError) as e:
+        P.profile_and_checkpoint(_values(profile=str(tmp_path / "config" / "sim.yaml")))
+    assert str(e.value).startswith(f"{tmp_path / 'out' / 'demo' / 'checkpoint'}: no such checkpoint")
+    assert "checkpoint:=DIR" in str(e.value)
+    _, ckpt = P.profile_and_checkpoint(_values(profile=str(tmp_path / "config" / "sim.yaml"),
+                                               checkpoint="/data/elsewhere"))
+    assert ckpt == "/data/elsewhere"    # a checkpoint given is the loader's to check, as before

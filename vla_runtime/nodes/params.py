@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Callable
 
 from .devices import device_problem
@@ -204,4 +205,10 @@ def profile_and_checkpoint(values: dict[str, Any]) -> tuple[RobotProfile, str]:
     if not ckpt:
         raise ValueError(f"no checkpoint: set the 'checkpoint' parameter (checkpoint:=DIR) or engine.checkpoint "
                          f"in {values['profile']}")
+    if not values.get("checkpoint") and not Path(ckpt).exists():
+        # a relative engine.checkpoint is resolved against the profile's folder and the package
+        # (profile.profile_path): from an install, a checkpoint written in a checkout is not there
+        raise ValueError(f"{ckpt}: no such checkpoint (engine.checkpoint of {values['profile']}, resolved "
+                         f"against the profile's folder and the package): set the 'checkpoint' parameter "
+                         f"(checkpoint:=DIR)")
     return profile, ckpt
