@@ -49,6 +49,21 @@ def test_without_a_chunk_the_selection_is_followed_after_the_wait():
     assert _seqs(q.overdue(now_s=0.8)) == [2]
 
 
+def test_the_wait_grows_with_how_long_calls_take():
+    """A model that denoises for seconds (full size on a CPU): once a chunk has shown how long a
+    call takes, a selection is not followed while its call is still running."""
+    q = AfterCall(max_wait_s=0.5)
+    q.add(_sel(0), now_s=0.0)
+    assert _seqs(q.chunk_published(0, now_s=2.0)) == [0]        # 2 s from selection to chunk
+    assert q.wait_limit_s == pytest.approx(6.0)
+    q.add(_sel(1), now_s=10.0)
+    assert q.overdue(now_s=12.5) == []                          # still denoising: not followed
+    assert _seqs(q.overdue(now_s=16.0)) == [1]                  # no chunk after 3x the usual: followed
+    q.add(_sel(2), now_s=20.0)
+    q.chunk_published(2, now_s=20.1)                            # faster calls bring the limit down
+    assert q.usual_wait_s == pytest.approx(2.0 + 0.2 * (0.1 - 2.0))
+
+
 def test_a_restarted_policy_numbering_from_zero_is_followed_and_then_waited_for_again():
     q = AfterCall(max_wait_s=0.5)
     q.add(_sel(40), now_s=0.0)

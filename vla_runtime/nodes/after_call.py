@@ -7,8 +7,10 @@ denoising through the memory and caches the two share, whatever the cache manage
 (docs/cache.md, "Background work"). So the cache manager holds each selection until the policy
 publishes the chunk of that call (``ActionChunk.call_id``), and follows it then, while the robot
 executes the chunk (rMuscle §4.3: reconstruction overlaps action execution). A selection whose
-chunk never comes (a refused slot, an inactive or dead policy node) is followed after
-``max_wait_s`` anyway, so the window never stops following.
+chunk never comes (a refused slot, an inactive or dead policy node) is followed anyway once it
+has waited ``max_wait_s`` or three times as long as a selection usually waits for its chunk
+(the denoising time, learnt from the chunks: seconds for a large model on a CPU), so the window
+never stops following.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from dataclasses import dataclass, field
 from ..cache.selector import Selection
 
 DEFAULT_MAX_WAIT_S = 0.5
+WAIT_MARGIN = 3.0     # a selection is overdue after this many times the usual wait for its chunk
+WAIT_EMA = 0.2        # weight of one call's wait in the usual wait
 
 
 @dataclass
@@ -27,6 +31,7 @@ class AfterCall:
     first (selections arrive in request order, so each is due no later than the ones after it)."""
 
     max_wait_s: float = DEFAULT_MAX_WAIT_S
+    usual_wait_s: float = 0.0      # moving average of the selection-to-chunk wait
     _held: deque[tuple[Selection, float]] = field(default_factory=deque)
     _done_seq: int | None = None   # call_id of the newest chunk published
 
@@ -47,10 +52,20 @@ class AfterCall:
         The newest chunk's id is kept as is, so a restarted policy numbering from 0 again is
         followed too."""
         self._done_seq = call_id
+        for selection, since in self._held:
+            if selection.request_seq == call_id:   # its own chunk: how long a call's denoising takes
+                wait = now_s - since
+                self.usual_wait_s = wait if self.usual_wait_s == 0.0 else \
+                    self.usual_wait_s + WAIT_EMA * (wait - self.usual_wait_s)
         return self._due(now_s)
 
+    @property
+    def wait_limit_s(self) -> float:
+        """How long a selection waits for its chunk before it is followed anyway."""
+        return max(self.max_wait_s, WAIT_MARGIN * self.usual_wait_s)
+
     def overdue(self, now_s: float) -> list[Selection]:
-        """Selections held ``max_wait_s`` or longer (no chunk came for them)."""
+        """Selections held ``wait_limit_s`` or longer (no chunk came for them)."""
         return self._due(now_s)
 
     def clear(self) -> None:
@@ -63,7 +78,7 @@ class AfterCall:
         while self._held:
             selection, since = self._held[0]
             over = self._done_seq is not None and selection.request_seq <= self._done_seq
-            if not (over or now_s - since >= self.max_wait_s):
+            if not (over or now_s - since >= self.wait_limit_s):
                 break
             due.append(self._held.popleft()[0])
         return due
