@@ -403,7 +403,7 @@ class ProcessPipeline:
         finally:   # whatever the call's outcome, the window follows what it selected, after it
             self._follow(slot.selection)
 
-    def _await_chunk(self, seq: int, deadline: float, timeout_s: float, slot: "_SlotMessage") -> ChunkResult:
+    def _await_chunk(self, seq: int, deadline: float, timeout_s: float, slot: _SlotMessage) -> ChunkResult:
         """Route call ``seq``'s notes (vision's slot to the policy) until its chunk comes back;
         ``slot`` keeps what the vision stage said with the slot."""
         while True:
