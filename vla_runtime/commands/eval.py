@@ -650,8 +650,9 @@ def reading(report: dict[str, Any]) -> str:
             text += (f"; by the profile's FLOP count a cached call at rho_p {point['rho_p']:g}, rho_n "
                      f"{point['rho_n']:g} needs {point['flops_fraction']:.0%} of a dense call's work ({ideal:.2f}x "
                      f"at best) and measured {point['median_speedup']:.2f}x when profiled"
-                     + (": at this size gathering the rows and neurons to skip costs much of what skipping them "
-                        "saves" if point["median_speedup"] < ideal else ""))
+                     + (": at this size picking out the rows and neurons to skip, and reading the Action Cache's "
+                        "compact copies of their weights, costs much of what skipping them saves"
+                        if point["median_speedup"] < ideal else ""))
         # the selection runs beside the vision tower: what it takes from the tower shows in the vision phase
         beside = cp.get("vision", 0.0) - dp.get("vision", 0.0)
         net = saved - select - beside
