@@ -399,13 +399,14 @@ class ProcessPipeline:
             raise StageDied(f"call {seq}: the vision stage is not running")
         slot = _SlotMessage()
         try:
-            return self._await_chunk(seq, time.monotonic() + timeout_s, timeout_s, slot)
+            return self._await_chunk(seq, timeout_s, slot)
         finally:   # whatever the call's outcome, the window follows what it selected, after it
             self._follow(slot.selection)
 
-    def _await_chunk(self, seq: int, deadline: float, timeout_s: float, slot: _SlotMessage) -> ChunkResult:
-        """Route call ``seq``'s notes (vision's slot to the policy) until its chunk comes back;
-        ``slot`` keeps what the vision stage said with the slot."""
+    def _await_chunk(self, seq: int, timeout_s: float, slot: _SlotMessage) -> ChunkResult:
+        """Route call ``seq``'s notes (vision's slot to the policy) until its chunk comes back, for
+        at most ``timeout_s``; ``slot`` keeps what the vision stage said with the slot."""
+        deadline = time.monotonic() + timeout_s
         while True:
             live = {c: n for n, c in self.conns.items() if c is not None}
             ready = mp_connection.wait(list(live), timeout=max(0.0, deadline - time.monotonic()))
