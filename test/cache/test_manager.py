@@ -631,3 +631,23 @@ def test_a_bfloat16_model_rebuilds_bfloat16_entries(repo, calls):
     images = (call.images.permute(0, 3, 1, 2).float() / 127.5 - 1).to(torch.bfloat16)
     ref = reconstruct_entry(model, e.key, images, call.image_mask, call.tokens, call.token_mask, None)
     assert e.ffn_in.dtype == torch.bfloat16 and torch.equal(e.ffn_in, ref.ffn_in) and torch.equal(e.ffn_out, ref.ffn_out)
+
+
+def test_before_rebuild_runs_before_each_rebuilt_entry_only(model, repo, clock):
+    """The hook (the gate that waits for the gap between calls) runs before each entry's load
+    and dense prefill, never for an entry taken back from the kept ones (nothing to compute), and
+    not for the initial window (the first search waits for that one)."""
+    m = CacheManager(model, repo, window_cfg())
+    calls_at: list[float] = []
+    m.start_episode("pick")
+    m.follow(note("pick", at("A", 3), ("A", "B")))
+    t0 = clock[0]
+    report = m.prepare(time_available_s=100.0, before_rebuild=lambda: calls_at.append(clock[0] - t0))
+    assert report.added == 6 and report.reused == 0
+    # once per rebuild, each before its load: the clock has moved by whole rebuilds only
+    assert calls_at == [i * (LOAD_S + REBUILD_S) for i in range(6)]
+    m.start_episode("pick")                                     # the initial window again, all kept
+    m.follow(note("pick", at("A", 3), ("A", "B")))
+    calls_at.clear()
+    assert m.prepare(before_rebuild=lambda: calls_at.append(clock[0])).reused == 6
+    assert calls_at == []

@@ -1071,3 +1071,36 @@ def test_a_segment_too_small_for_a_control_block_is_no_ring(name):
     finally:
         tiny.close()
         tiny.unlink()
+
+
+def test_the_call_gate_says_which_call_is_in_progress_without_attaching(name):
+    """The vision stage (the writer) marks a call begun, the policy (a reader) done; a process
+    beside them reads both from the control block without mapping the ring."""
+    from vla_runtime.ipc.ring import read_call_words
+    assert read_call_words(name) is None                       # no ring of that name: no gate
+    with RingBuffer.create(name, LAYOUT, slots=2) as writer, RingBuffer.attach(name, LAYOUT) as reader:
+        idle = read_call_words(name)
+        assert (idle.begun, idle.done, idle.in_flight, idle.last_call_s()) == (0, 0, False, None)
+        writer.call_begun()                                    # call of sequence 0 begins
+        t_begun = time.monotonic_ns()
+        busy = read_call_words(name)
+        assert busy.begun == 1 and busy.in_flight and busy.last_call_s() is None
+        assert busy.begun_ns <= t_begun
+        _, seq = _write(writer, 1)
+        assert seq == 0 and read_call_words(name).in_flight    # committed, not yet denoised
+        writer.call_begun()                                    # streaming: call 1 begins meanwhile
+        reader.call_done(seq)                                  # call 0 done: call 1 still runs
+        words = read_call_words(name)
+        assert (words.begun, words.done, words.in_flight) == (2, 1, True)
+        writer.call_abandoned()                                # call 1's encoding failed
+        words = read_call_words(name)
+        assert (words.begun, words.done, words.in_flight) == (1, 1, False)
+        assert words.last_call_s() is not None                 # no call runs: a duration is known
+        reader.call_done(0)                                    # a late repeat never moves done back
+        writer.call_begun()
+        reader.call_done(seq + 1)
+        assert not read_call_words(name).in_flight
+        with pytest.raises(RingBufferError, match="only its creator"):
+            reader.call_begun()
+        with pytest.raises(RingBufferError, match="only its creator"):
+            reader.call_abandoned()

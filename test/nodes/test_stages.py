@@ -8,6 +8,7 @@ import logging
 import os
 import shutil
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,8 @@ import pytest
 
 from vla_runtime.cache.halves import HalfTiming, PhaseTiming
 from vla_runtime.cache.repository import ReferenceRepository
+from vla_runtime.cache.retrieval import Match
+from vla_runtime.cache.selector import Selection
 from vla_runtime.nodes.pipeline import LocalPipeline, PipelineSpec
 from vla_runtime.nodes.profile import CacheSpec
 from vla_runtime.nodes.stages import RingNames, cache_config
@@ -201,3 +204,49 @@ def test_a_tower_whose_tail_is_short_gets_its_selection_in_series(demo):
         tail = stage.beside.tail_s
     assert len(chooser) == len(results) and not any(n.startswith("vision-select") for n in chooser)
     assert 0.0 < tail < 3600.0 and any(r.cached for r in results)
+
+
+def test_a_call_is_in_progress_from_its_encoding_to_its_denoising_and_the_upkeep_waits_for_it(demo):
+    """The vision stage marks the call begun, the policy stage done; the cache stage's upkeep,
+    started while the call is in progress (as on a 2-core robot computer when the gap before
+    the next call is short), rebuilds nothing until the policy has denoised it. A failed
+    encoding leaves no call in progress."""
+    from vla_runtime.ipc.ring import read_call_words
+    from vla_runtime.nodes.call_gate import CallGate
+
+    frames, task = demo["episode"].frames, demo["episode"].task
+    with _cached_pipeline(demo, "gate") as p:
+        name = p.spec.rings.prefix
+        p.cache.gate = CallGate(name, first_guess_s=60.0)   # bounds far beyond this test: only the call ends a wait
+        p.start_episode(task)
+        manager = p.cache.worker.manager
+        first, other = sorted(manager.window.lengths)[:2]
+        # the window narrows to one reference (no call in progress: no wait), and forgets the
+        # others' entries, so that following another reference during the call rebuilds entries
+        # (the demo's references are short enough for the initial window to hold them all)
+        narrow = Selection(0, task, p.episode, Match(first, 0, 1.0, 0.0), (first,))
+        p.cache.follow(narrow)
+        p.cache.upkeep(10.0)
+        assert p.cache.gate.stats.waits == 0 and all(k[0] == first for k in manager.entries)
+        manager._rebuilt.clear()
+        manager._rebuilt_bytes = 0
+        assert not read_call_words(name).in_flight
+        note = p.vision.encode(p.numbering.request(np.asarray(frames[0].state), task, 0), frames[0].images)
+        assert read_call_words(name).in_flight
+        p.cache.follow(replace(narrow, request_seq=1, match=Match(other, 0, 1.0, 0.0), candidates=(other,)))
+        rebuilt_before = len(manager._rebuild_s)
+        upkeep = threading.Thread(target=p.cache.upkeep, args=(10.0,))
+        upkeep.start()
+        upkeep.join(0.5)
+        assert upkeep.is_alive(), "the upkeep did not wait for the call in progress"
+        assert len(manager._rebuild_s) == rebuilt_before   # nothing rebuilt meanwhile
+        assert p.policy.act(note) is not None
+        assert not read_call_words(name).in_flight
+        upkeep.join(120)
+        assert not upkeep.is_alive()
+        assert any(k[0] == other for k in manager.entries)                # rebuilt once the call was over
+        assert p.cache.gate.stats.waits == 1 and p.cache.gate.stats.gave_up == 0
+        assert p.cache.gate.stats.waited_s >= 0.5
+        with pytest.raises(ValueError, match="no camera image"):        # refused after the call began
+            p.vision.encode(p.numbering.request(np.asarray(frames[1].state), task, 0), {})
+        assert not read_call_words(name).in_flight

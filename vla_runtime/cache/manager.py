@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict, deque
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -173,10 +173,13 @@ class CacheManager:
             self._restart_window()
         self.last_selection = selection
 
-    def prepare(self, time_available_s: float | None = None) -> PrepareReport:
+    def prepare(self, time_available_s: float | None = None,
+                before_rebuild: Callable[[], object] | None = None) -> PrepareReport:
         """Slide the window after a call and rebuild newly entering entries within the budget (Eq. 5).
 
         Meant to run while the robot executes the chunk; ``time_available_s`` is that time.
+        ``before_rebuild`` runs before each entry's dense prefill (a process beside the calls
+        waits there for the gap between two: ``nodes.call_gate``).
         """
         sel = self.last_selection
         if sel is None or sel.match is None or sel.dense_for_episode or sel.task != self.task:
@@ -198,7 +201,7 @@ class CacheManager:
         rebuild = len(missing) - kept
         budget = min(free // entry_bytes, kept + reconstruction_budget(
             rebuild, free, entry_bytes, t_avl, mean_load * rebuild, mean_rebuild))
-        return self._apply(self.window.plan(matches, budget), budget)
+        return self._apply(self.window.plan(matches, budget), budget, before_rebuild)
 
     # ------------------------------------------------------------ internals
     def _restart_window(self) -> None:
@@ -235,7 +238,8 @@ class CacheManager:
         el = next(self.model.parameters()).element_size()
         return 2 * (cfg.vlm.depth - 1) * n_cams * cfg.num_image_tokens * cfg.vlm.width * el
 
-    def _apply(self, plan: WindowPlan, budget: int) -> PrepareReport:
+    def _apply(self, plan: WindowPlan, budget: int,
+               before_rebuild: Callable[[], object] | None = None) -> PrepareReport:
         t0 = time.perf_counter()
         for key in plan.drop:
             self.entries.pop(key, None)
@@ -248,6 +252,8 @@ class CacheManager:
         for key in plan.add:
             entry = taken.get(key)
             if entry is None:
+                if before_rebuild is not None:
+                    before_rebuild()
                 t1 = time.perf_counter()
                 call = self.repo.load_call(*key)
                 t2 = time.perf_counter()

@@ -17,6 +17,9 @@ Layout (bytes)::
     128  CUDA IPC handle (up to 64 bytes)
     192  creator's resource-tracker pipe inode (see ring._open_attached)   200 creation nonce
     208  header changes: +1 whenever a slot header changes (write begun, committed, aborted)
+    216  call begun: 1 + the sequence the writer's call in progress will commit (0: none); 224 its stamp
+    232  call done: 1 + the newest sequence a reader finished a call with (0: none); 240 its stamp
+         (the call gate, ``ring.CallWords``: the one word pair a reader writes)
     256  layout JSON (the writer's SlotLayout, so a refused reader is told what differs)
     H    slot headers, SLOT_HEADER bytes each, 64-aligned:
            +0 seqlock (odd while written)  +8 payload sequence (-1: none/invalid)  +16 stamp_ns
@@ -44,6 +47,8 @@ W_VERSION, W_SLOTS, W_BACKEND, W_PID, W_HEARTBEAT, W_LATEST = 1, 2, 3, 4, 5, 6
 W_PAYLOAD_OFFSET, W_STRIDE, W_LAYOUT_LEN, W_CUDA_DEVICE, W_CUDA_HANDLE_LEN = 7, 8, 9, 10, 11
 W_TRACKER, W_NONCE = 24, 25
 W_CHANGES = 26   # bumped by every change of a slot header (begin, commit, abort): ``RingBuffer.changes``
+# the call gate: which call is in progress, for background work that yields to calls (``RingBuffer.call_begun``)
+W_CALL_BEGUN, W_CALL_BEGUN_NS, W_CALL_DONE, W_CALL_DONE_NS = 27, 28, 29, 30
 TAG_OFFSET, CUDA_HANDLE_OFFSET, LAYOUT_OFFSET = 96, 128, 256
 
 # word offsets inside a slot header

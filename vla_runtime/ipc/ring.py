@@ -280,9 +280,16 @@ def _segment_nonce(name: str) -> int | None:
             return _read_word(shm.buf, C.W_NONCE) if ok else None
         finally:
             shm.close()
+    words = _pread_control_words(name)
+    return None if words is None else int(words[C.W_NONCE])
+
+
+def _pread_control_words(name: str) -> np.ndarray | None:
+    """The global words of the initialised ring ``name`` under ``SHM_DIR``, read with one
+    ``pread`` (no mapping, no resource-tracker traffic); None when there is none."""
     try:
         fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
     try:
         head = os.pread(fd, C.GLOBAL_BYTES, 0)
@@ -290,7 +297,40 @@ def _segment_nonce(name: str) -> int | None:
         os.close(fd)
     if len(head) < C.GLOBAL_BYTES or head[0:8] != C.MAGIC:
         return None
-    return int(np.frombuffer(head, dtype=np.int64)[C.W_NONCE])
+    return np.frombuffer(head, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class CallWords:
+    """The call gate of a ring at one moment (``RingBuffer.call_begun`` / ``call_done``)."""
+
+    begun: int        # 1 + the sequence of the newest call begun (0: none)
+    begun_ns: int     # time.monotonic_ns() when it began
+    done: int         # 1 + the newest sequence a reader finished a call with (0: none)
+    done_ns: int
+
+    @property
+    def in_flight(self) -> bool:
+        """A call was begun and no reader has finished it (nor a later one) yet."""
+        return self.begun > self.done
+
+    def last_call_s(self) -> float | None:
+        """How long the newest call took from its start to its reader's end; None while it runs
+        or when the reader last finished another call. (After an abandoned call the start is
+        that call's: a shorter figure, which only shortens the waits that use it.)"""
+        if self.begun == 0 or self.begun != self.done or self.done_ns < self.begun_ns:
+            return None
+        return (self.done_ns - self.begun_ns) / 1e9
+
+
+def read_call_words(name: str) -> CallWords | None:
+    """The call gate of ring ``name`` without attaching it (one ``pread`` of its control block
+    from ``/dev/shm``, as ``_segment_nonce``): None when no initialised ring has that name or
+    POSIX shared memory is not under ``SHM_DIR`` (no gate there)."""
+    w = _pread_control_words(name)
+    if w is None:
+        return None
+    return CallWords(int(w[C.W_CALL_BEGUN]), int(w[C.W_CALL_BEGUN_NS]), int(w[C.W_CALL_DONE]), int(w[C.W_CALL_DONE_NS]))
 
 
 def _read_word(buf: Any, index: int) -> int:
@@ -599,6 +639,35 @@ class RingBuffer:
         if not self.is_owner:
             raise RingBufferError("only the ring's creator updates its heartbeat")
         self._w[C.W_HEARTBEAT] = time.monotonic_ns()
+
+    # ---------------------------------------------------------------- the call gate
+
+    def call_begun(self) -> None:
+        """The writer starts a call whose payload its next commit will hold (the vision stage, as
+        an observation's encoding begins): background work reading ``call_words`` yields to it."""
+        self._check_owner("marks a call begun")
+        self._w[C.W_CALL_BEGUN_NS] = time.monotonic_ns()
+        self._fence()
+        self._w[C.W_CALL_BEGUN] = self._next_seq + 1
+
+    def call_abandoned(self) -> None:
+        """The call ``call_begun`` announced commits nothing (its encoding failed): the newest call
+        begun is the last committed one again, which a reader may still be finishing."""
+        self._check_owner("abandons a call")
+        self._w[C.W_CALL_BEGUN] = self._next_seq
+
+    def call_done(self, seq: int) -> None:
+        """A reader finished the call of payload ``seq`` (the policy stage, chunk denoised or slot
+        found overwritten). The only words a reader writes; one reader per ring does (the policy)."""
+        self._check_open()
+        self._w[C.W_CALL_DONE_NS] = time.monotonic_ns()
+        self._fence()
+        self._w[C.W_CALL_DONE] = max(int(self._w[C.W_CALL_DONE]), int(seq) + 1)
+
+    def _check_owner(self, what: str) -> None:
+        self._check_open()
+        if not self.is_owner:
+            raise RingBufferError(f"ring {self.name!r} was attached by this process: only its creator {what}")
 
     # ---------------------------------------------------------------- reader
 

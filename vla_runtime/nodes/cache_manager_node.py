@@ -159,6 +159,10 @@ class CacheManagerNode(ManagedNode):
                   "enabled": str(self.stage.enabled), "time_available_s": f"{self.time_available_s:.3f}"}
         if self.stage.worker is not None:
             values |= self.stage.worker.diagnostics()
+        if self.stage.gate is not None:   # what waiting for the gaps between calls cost the upkeep
+            g = self.stage.gate.stats
+            values |= {"upkeep_waits": str(g.waits), "upkeep_waited_s": f"{g.waited_s:.3f}",
+                       "upkeep_waits_bounded": str(g.gave_up)}
         peers, silent, unheard = self.peer_health()
         values |= peers | {"lifecycle": self.state_label}
         warn = "" if self.stage.enabled else f"cache disabled: {self.stage.disabled_reason}"

@@ -41,6 +41,7 @@ from .devices import cpu_latency_note, measured_cpu_gflops, resolve_device
 from .profile import CacheSpec, EngineSpec
 from .prefix_ring import DEFAULT_RING, prefix_layout
 from .selection import BesideTower, Choice, WindowSelector
+from .call_gate import CallGate
 from .workers import (CacheWorker, PolicyWorker, PrefixMeta, PrefixSlotSpec, ReferenceChoice, VisionWorker)
 from .working_set import DEFAULT_WORKING_SET, SharedEntryStore, window_state, working_set_layout
 
@@ -243,6 +244,14 @@ class VisionStage:
         The reference is chosen from the moment the vision tower's retrieval layer is done,
         beside the tower's later layers where that pays (``selection.BesideTower``); the
         ``select`` phase is what is left of it after the tower, its cost on the call's path."""
+        self.prefix.call_begun()   # background work (the cache manager's upkeep) now waits for the call's end
+        try:
+            return self._encode(req, images)
+        except BaseException:
+            self.prefix.call_abandoned()
+            raise
+
+    def _encode(self, req: PrefixRequestNote, images: dict[str, np.ndarray]) -> SlotNote:
         timer = PhaseTimer(self.worker.engine.device)
         obs = Observation(images=images, state=list(req.state), task=req.task)
         choice: Choice | None = None
@@ -322,6 +331,7 @@ class CacheStage:
         self.fallback_rule = ""   # when an episode runs dense, said at start-up
         self.worker: CacheWorker | None = None
         self.working_set: RingBuffer | None = None
+        self.gate: CallGate | None = None
         self.cfg = policy.engine.cfg
         repo = open_repository_meta(spec, policy)
         if repo is None:
@@ -361,6 +371,7 @@ class CacheStage:
             log.warning("muscle-memory cache disabled, running dense: %s", e)
             return
         self.worker = CacheWorker(manager)
+        self.gate = CallGate(rings.prefix)   # the upkeep's entries wait for the gap between calls
         self.fallback_rule = fallback_rule(mcfg.retrieval.min_similarity,
                                            mcfg.retrieval.first_call_floor if spec.first_scene_floor else None,
                                            mcfg.retrieval.max_end_matches)
@@ -404,9 +415,12 @@ class CacheStage:
             self.store.mark_window(window_state(selection.task, selection.episode, ready=True))
 
     def upkeep(self, time_available_s: float | None = None) -> None:
-        """Slide the working set after a call (overlaps the robot executing the chunk)."""
+        """Slide the working set after a call (overlaps the robot executing the chunk). Each entry
+        rebuilt waits for the gap between two calls first (``call_gate``), heartbeating meanwhile."""
         if self.worker is not None and self.worker.manager.task is not None:
-            self.worker.prepare(time_available_s)
+            gate = self.gate
+            wait = None if gate is None else (lambda: gate.wait_for_gap(self.heartbeat))
+            self.worker.prepare(time_available_s, wait)
 
     def heartbeat(self) -> None:
         if self.working_set is not None:
@@ -465,7 +479,14 @@ class PolicyStage:
         except (RingBufferError, OSError):
             self.prefix = None
             raise
-        info = self.prefix.read(note.slot, note.seq, self.slot_buf)
+        ring = self.prefix
+        try:
+            return self._act(ring, note)
+        finally:   # the call is over, whatever its outcome: background work may use the cores again
+            ring.call_done(note.seq)
+
+    def _act(self, ring: RingBuffer, note: SlotNote) -> ChunkResult | None:
+        info = ring.read(note.slot, note.seq, self.slot_buf)
         if info is None or not isinstance(info.meta, dict):
             return None
         meta = PrefixMeta.from_dict(info.meta)

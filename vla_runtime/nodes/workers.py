@@ -282,9 +282,11 @@ class CacheWorker:
         self.last_selection = selection
         self.selections += 1
 
-    def prepare(self, time_available_s: float | None = None) -> PrepareReport:
-        """Slide the window after a call (meant to overlap the robot executing the chunk)."""
-        self.last_prepare = self.manager.prepare(time_available_s)
+    def prepare(self, time_available_s: float | None = None,
+                before_rebuild: Callable[[], object] | None = None) -> PrepareReport:
+        """Slide the window after a call (meant to overlap the robot executing the chunk);
+        ``before_rebuild``: ``CacheManager.prepare``'s."""
+        self.last_prepare = self.manager.prepare(time_available_s, before_rebuild)
         return self.last_prepare
 
     def diagnostics(self) -> dict[str, str]:
