@@ -37,11 +37,11 @@ from ..ipc.layout import SlotLayout
 from ..ipc.ring import LayoutMismatchError, RingBuffer, RingBufferError
 from ..models.config import preset
 from ..models.parts import role_parts
+from .call_gate import CallGate
 from .devices import cpu_latency_note, measured_cpu_gflops, resolve_device
 from .profile import CacheSpec, EngineSpec
 from .prefix_ring import DEFAULT_RING, prefix_layout
 from .selection import BesideTower, Choice, WindowSelector
-from .call_gate import CallGate
 from .workers import (CacheWorker, PolicyWorker, PrefixMeta, PrefixSlotSpec, ReferenceChoice, VisionWorker)
 from .working_set import DEFAULT_WORKING_SET, SharedEntryStore, window_state, working_set_layout
 
