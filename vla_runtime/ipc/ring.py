@@ -585,9 +585,7 @@ class RingBuffer:
         self._check_open()
         if slot is not None and not 0 <= slot < self.slots:
             raise ValueError(f"slot must be in [0, {self.slots}), got {slot}")
-        if not self.is_owner:
-            raise RingBufferError(f"ring {self.name!r} was attached, not created, by this process: only its "
-                                  f"creator writes")
+        self._check_owner("writes")
         if self._pending is not None:
             raise RingBufferError(f"slot {self._pending.slot} (sequence {self._pending.seq}) is still open: "
                                   f"commit or abort it before the next begin_write")
@@ -644,7 +642,7 @@ class RingBuffer:
 
     def call_begun(self) -> None:
         """The writer starts a call whose payload its next commit will hold (the vision stage, as
-        an observation's encoding begins): background work reading ``call_words`` yields to it."""
+        an observation's encoding begins): background work reading ``read_call_words`` yields to it."""
         self._check_owner("marks a call begun")
         self._w[C.W_CALL_BEGUN_NS] = time.monotonic_ns()
         self._fence()
@@ -667,7 +665,8 @@ class RingBuffer:
     def _check_owner(self, what: str) -> None:
         self._check_open()
         if not self.is_owner:
-            raise RingBufferError(f"ring {self.name!r} was attached by this process: only its creator {what}")
+            raise RingBufferError(f"ring {self.name!r} was attached, not created, by this process: only its "
+                                  f"creator {what}")
 
     # ---------------------------------------------------------------- reader
 
