@@ -127,6 +127,7 @@ def _build_cache(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .cache.builder import BuildConfig, admit_reference, build_repository_from
+    from .cache.masks import DEFAULT_GROUP_COUNT, even_groups
     from .cache.repository import ReferenceRepository
     from .engine.policy import Pi05Policy
     from .io.bags import list_episode_bags
@@ -153,14 +154,19 @@ def _build_cache(args: argparse.Namespace) -> int:
         policy = Pi05Policy.from_checkpoint(checkpoint, camera_names=list(topics.cameras))
         refs = bag_refs(list_episode_bags(args.bags), topics)
     if args.admit:
+        if args.mask_groups is not None:
+            raise ValueError("--mask-groups sets a new repository's masks; one admitted into keeps its own")
         repo = ReferenceRepository.open(args.out, expect_checkpoint_hash=policy.checkpoint_hash)
         for ref in refs:
             admit_reference(policy, repo, ref, args.call_period, args.max_episodes_per_task, log=print)
         return 0
     from .commands import summaries
 
+    groups = even_groups(policy.engine.model.cfg.num_steps,
+                         DEFAULT_GROUP_COUNT if args.mask_groups is None else args.mask_groups)
     summary = build_repository_from(policy, policy.checkpoint_hash, refs, Path(args.out), args.call_period,
-                                    BuildConfig(rho_n=args.rho_n, history_len=args.history), args.profile,
+                                    BuildConfig(rho_n=args.rho_n, groups=groups, history_len=args.history),
+                                    args.profile,
                                     tolerance=args.tolerance, adopt_profiled=args.adopt_profiled, log=_log,
                                     progress=bars)
     summaries.emit(summary.as_dict(), args.summary, summaries.build)
@@ -232,7 +238,8 @@ def _eval(args: argparse.Namespace) -> int:
                     reference_band=band(args.reference_band), n_execute=args.n_execute, max_steps=args.max_steps,
                     processes=args.processes, modes=tuple(args.modes.split(",")), repository=args.repository,
                     reference_dataset=args.reference_dataset,
-                    rho_p=args.rho_p, rho_n=args.rho_n, profile_episodes=args.profile_episodes,
+                    rho_p=args.rho_p, rho_n=args.rho_n, mask_groups=args.mask_groups,
+                    profile_episodes=args.profile_episodes,
                     tolerance=args.tolerance, caches=tuple(args.caches.split(",")), seed=args.seed,
                     min_similarity=args.min_similarity, first_scene_floor=args.first_scene_floor,
                     max_end_matches=args.max_end_matches,
@@ -341,6 +348,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--outcome-topic", default="/episode_outcome", help="'' when the bags have none")
     c.add_argument("--call-period", dest="call_period", type=float, default=0.5, help="seconds between policy calls")
     c.add_argument("--rho-n", dest="rho_n", type=float, default=0.5, help="fraction of expert neurons in the masks")
+    c.add_argument("--mask-groups", dest="mask_groups", type=int, default=None, metavar="N",
+                   help="Action Cache: N groups of consecutive denoising steps, each sharing one neuron mask and "
+                        "opened by a dense anchor step (default 2, rMuscle's; 1 halves the anchors and gathers, "
+                        "its mask covers each step less closely)")
     c.add_argument("--history", type=int, default=4, help="joint-history length L for retrieval")
     c.add_argument("--profile", type=int, default=0, metavar="N",
                    help="hold out N episodes per task to profile rho_p/rho_n (quality vs cost curve)")
@@ -456,6 +467,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--rho-n", dest="rho_n", type=float, default=None,
                     help="Action Cache neuron fraction of the repository built here (default: profiled; "
                          "--repository keeps its own)")
+    ev.add_argument("--mask-groups", dest="mask_groups", type=int, default=None, metavar="N",
+                    help="Action Cache mask groups of the repository built here (build-cache --mask-groups; "
+                         "default 2; --repository keeps its own)")
     ev.add_argument("--profile-episodes", dest="profile_episodes", type=int, default=2,
                     help="reference episodes per task replayed to profile rho_p/rho_n")
     ev.add_argument("--tolerance", type=float, default=0.05,

@@ -70,6 +70,26 @@ def test_same_repository_as_the_api(files, tmp_path):
         assert torch.equal(ca.retrieval, cb.retrieval)
 
 
+def test_mask_groups_set_the_action_caches_groups(files, tmp_path):
+    """``--mask-groups 1``: one mask per layer shared by every denoising step, recorded in the
+    repository, the same masks the API builds with that one group (the default two differ)."""
+    policy = Pi05Policy.from_checkpoint(files["checkpoint"], camera_names=list(CAMERAS[:2]))
+    steps = policy.engine.model.cfg.num_steps
+    refs = dataset_refs(LeRobotDatasetReader(files["dataset"]), checkpoint_features(files["checkpoint"]), "1")
+    build_repository_from(policy, policy.checkpoint_hash, refs, tmp_path / "api", 0.5,
+                          BuildConfig(groups=((0, steps),)), log=lambda m: None)
+    assert main(["build-cache", "--dataset", files["dataset"], "--checkpoint", files["checkpoint"],
+                 "--out", str(tmp_path / "one"), "--episodes", "1", "--mask-groups", "1"]) == 0
+    assert main(["build-cache", "--dataset", files["dataset"], "--checkpoint", files["checkpoint"],
+                 "--out", str(tmp_path / "two"), "--episodes", "1"]) == 0
+    one, api, two = (ReferenceRepository.open(tmp_path / n) for n in ("one", "api", "two"))
+    assert one.meta.mask_groups == [[0, steps]] and two.meta.mask_groups == [[0, steps // 2], [steps // 2, steps]]
+    for i in range(CALLS_PER_EPISODE):
+        masks = one.load_call("episode_000001", i).masks
+        assert masks.shape[0] == 1 and torch.equal(masks, api.load_call("episode_000001", i).masks)
+        assert two.load_call("episode_000001", i).masks.shape[0] == 2
+
+
 def test_profile_and_admit(files, tmp_path, capsys):
     out = tmp_path / "repo"
     # task 0 has episodes 0 and 2: one is held out to profile against the other
@@ -91,6 +111,8 @@ def test_profile_and_admit(files, tmp_path, capsys):
     (["--feature", "observation.images.cam1=observation.images.side"],
      r"camera 'observation.images.cam1': the dataset has no feature 'observation.images.side'"),
     (["--feature", "observation.state=action"], "one part only"),
+    (["--mask-groups", "0"], "mask groups must be a whole number from 1 to the 10 denoising steps, got 0"),
+    (["--mask-groups", "1", "--admit"], "--mask-groups sets a new repository's masks"),
 ])
 def test_cli_refusals(files, tmp_path, capsys, extra, message):
     assert main(["build-cache", "--dataset", files["dataset"], "--checkpoint", files["checkpoint"],

@@ -50,7 +50,10 @@ def test_profiling_records_each_half_timed_in_the_repository(demo):
     for half in ("context_cache", "action_cache"):
         t = getattr(timing, half)
         assert t.samples == timing.calls * 2 and t.dense_s > 0 and t.cached_s > 0
-        assert t.speedup == pytest.approx(t.dense_s / t.cached_s)
+        # the figure recorded is the paired one, with its interval where there are calls enough to bound it
+        assert t.ratio is not None and t.speedup == t.ratio
+        assert (t.ratio_low is None) == (t.samples < 6)
+        assert t.ratio_low is None or t.ratio_low <= t.ratio <= t.ratio_high
     assert timing.device == "cpu" and timing.dtype == "float32" and timing.threads == torch.get_num_threads()
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from vla_runtime.cache.halves import (DEFAULT_RHO_P, HalfTiming, PhaseTiming, choose_rho_p, parse_setting,
-                                      resolve_halves)
+from vla_runtime.cache.halves import (DEFAULT_RHO_P, HalfTiming, PhaseTiming, choose_rho_p, median_interval,
+                                      parse_setting, resolve_halves)
 
 
 def timing(context_speedup: float, action_speedup: float, rho_p: float = 0.4) -> HalfTiming:
@@ -93,3 +93,58 @@ def test_rho_p_given_wins_else_the_profiled_one_else_the_default():
 def test_a_given_rho_p_outside_0_1_is_refused(bad):
     with pytest.raises(ValueError, match=r"rho_p must be in \(0, 1\], got"):
         choose_rho_p(bad, timing(1.2, 1.2))
+
+
+def test_the_median_s_interval_is_the_binomial_order_statistics():
+    """Distribution-free 95 % interval of a median: the (k+1)-th smallest and largest of n values,
+    k the largest count with P(Binomial(n, 1/2) <= k) <= 2.5 %. By hand: n = 10, P(B <= 1) =
+    11/1024 = 1.07 % and P(B <= 2) = 56/1024 = 5.5 %, so k = 1; n = 6, P(B <= 0) = 1/64, k = 0;
+    n = 5, 1/32 > 2.5 %: no bound; n = 100: ranks 40 and 61, the textbook pair."""
+    assert median_interval(range(10)) == (4.5, 1.0, 8.0)
+    assert median_interval([5, 0, 3, 1, 4, 2]) == (2.5, 0.0, 5.0)      # order of the input does not matter
+    assert median_interval(range(5)) == (2.0, None, None)
+    assert median_interval(range(100)) == (49.5, 39.0, 60.0)
+    assert median_interval([1.0] * 3000) == (1.0, 1.0, 1.0)             # past 2**1023: exact integers, no overflow
+    with pytest.raises(ValueError, match="no values"):
+        median_interval([])
+
+
+def test_paired_timing_divides_each_call_by_itself():
+    """Call i ran dense then cached: its ratio is dense_i / cached_i. Calls whose speed varies
+    24-fold (the machine's load) but each 1.25x faster cached give 1.25 exactly at both ends of the
+    interval; any other pairing of the same samples would not."""
+    dense = [0.001 * 2 ** (i % 6) * (1 + i / 100) for i in range(12)]
+    t = PhaseTiming.paired(dense, [d / 1.25 for d in dense])
+    assert t.samples == 12 and (t.ratio, t.ratio_low, t.ratio_high) == pytest.approx((1.25, 1.25, 1.25))
+    assert t.speedup == t.ratio and t.shown_faster
+    with pytest.raises(ValueError, match="as many dense as cached samples"):
+        PhaseTiming.paired(dense, dense[:-1])
+
+
+def test_auto_runs_a_half_only_where_its_interval_lies_above_one():
+    """A half 1.01x by its paired figure but with an interval reaching 0.97 is not shown faster:
+    auto leaves it off, and says so with the interval; 1.06x from 1.02 runs."""
+    noisy = PhaseTiming(0.0103, 0.0100, 36, ratio=1.01, ratio_low=0.97, ratio_high=1.06)
+    clear = PhaseTiming(0.0110, 0.0100, 36, ratio=1.06, ratio_low=1.02, ratio_high=1.09)
+    t = HalfTiming(clear, noisy, device="cpu", threads=1, dtype="float32", rho_p=0.6, rho_n=0.75, calls=12, repeats=3)
+    r = resolve_halves("auto", "auto", t)
+    assert (r.context_cache, r.action_cache) == (True, False)
+    assert "context cache on (auto: prefill measured 1.06x (95 % interval 1.02-1.09) faster)" in r.reason
+    assert "action cache off (auto: denoise measured 1.01x (95 % interval 0.97-1.06) of dense, not shown faster)" in r.reason
+    assert "denoise 10.30 -> 10.00 ms (1.01x (95 % interval 0.97-1.06))" in r.reason
+    # forced halves ignore the interval
+    assert resolve_halves("on", "on", t).action_cache
+
+
+def test_a_timing_with_intervals_round_trips_and_a_disordered_one_is_refused():
+    noisy = PhaseTiming(0.0103, 0.0100, 36, ratio=1.01, ratio_low=0.97, ratio_high=1.06)
+    t = HalfTiming(noisy, PhaseTiming(0.01, 0.02, 4, ratio=0.5), "cpu", 1, "float32", 0.6, 0.75, 12, 3)
+    assert HalfTiming.from_dict(t.as_dict()) == t
+    d = t.as_dict()
+    d["context_cache"]["ratio_low"] = 1.2
+    with pytest.raises(ValueError, match=r"half_timing.context_cache: ratio_low <= ratio <= ratio_high must hold"):
+        HalfTiming.from_dict(d)
+    d = t.as_dict()
+    d["context_cache"]["ratio_high"] = None
+    with pytest.raises(ValueError, match=r"both bounds or neither"):
+        HalfTiming.from_dict(d)

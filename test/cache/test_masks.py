@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 
-from vla_runtime.cache.masks import ContributionRecorder, group_masks, validate_groups
+from vla_runtime.cache.masks import DEFAULT_GROUPS, ContributionRecorder, even_groups, group_masks, validate_groups
 from vla_runtime.models.config import preset
 from vla_runtime.models.pi05 import Pi05Model, init_random_
 
@@ -83,6 +83,27 @@ def test_groups_tiling_the_steps_in_order_are_accepted(groups):
 def test_groups_not_tiling_the_steps_are_refused_naming_them(groups):
     with pytest.raises(ValueError, match=rf"mask groups {re.escape(str(groups))} must tile the 10 denoising steps"):
         validate_groups(groups, 10)
+
+
+@pytest.mark.parametrize("steps,count", [(10, 1), (10, 2), (10, 3), (10, 10), (7, 3), (1, 1)])
+def test_even_groups_tile_the_steps_with_sizes_one_apart(steps, count):
+    """``count`` groups that tile the steps (the validator's rule), longest first, no two sizes
+    more than one step apart: each group's anchor as far from the next as the count allows."""
+    groups = even_groups(steps, count)
+    assert validate_groups(groups, steps) == groups and len(groups) == count
+    sizes = [b - a for a, b in groups]
+    assert sizes == sorted(sizes, reverse=True) and max(sizes) - min(sizes) <= 1
+
+
+def test_two_even_groups_of_ten_steps_are_the_default():
+    assert even_groups(10, 2) == DEFAULT_GROUPS
+    assert even_groups(10, 1) == ((0, 10),)
+
+
+@pytest.mark.parametrize("count", [0, -1, 11, 2.0, True, "2"])
+def test_a_group_count_outside_one_to_the_steps_is_refused_naming_it(count):
+    with pytest.raises(ValueError, match=rf"from 1 to the 10 denoising steps, got {re.escape(repr(count))}"):
+        even_groups(10, count)
 
 
 def test_recorder_follows_eq1_when_the_row_count_changes():

@@ -4,13 +4,14 @@
 reference retrieval matched it to); ``eval`` and any caller holding only a repository time them
 on the repository's own calls (``cases_from_repository``). Both go through ``time_halves``:
 dense and cached run the same call back to back, repeated, after a warm-up, and each half's
-figure is the median of its phase (prefill for the Context Cache, denoise for the Action Cache),
-so a load that comes and goes on the machine slows both sides alike.
+figure is the median over those pairs of the dense / cached time of its phase (prefill for the
+Context Cache, denoise for the Action Cache), with a 95 % interval: a load that comes and goes on
+the machine slows both sides of a pair alike, and ``auto`` runs a half only where the interval
+lies above 1.0.
 """
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -39,7 +40,7 @@ class TimingCase:
 @torch.no_grad()
 def time_halves(model: Pi05Model, cases: Sequence[TimingCase], rho_p: float, rho_n: float, groups: Groups,
                 repeats: int = 3, warmup: int = 1, progress: Progress = silent) -> HalfTiming:
-    """Median prefill and denoise seconds, dense and cached, over ``cases`` x ``repeats``.
+    """Prefill and denoise timed dense and cached over ``cases`` x ``repeats`` (``PhaseTiming.paired``).
 
     The cached engine runs both halves at once: they touch different phases (the Context Cache the
     prefill, the Action Cache the denoising, which reads the prefix K/V whichever way it was
@@ -78,9 +79,8 @@ def time_halves(model: Pi05Model, cases: Sequence[TimingCase], rho_p: float, rho
                         samples[mode][phase].append(seconds[phase])
             bar.update()
     p = next(model.parameters())
-    phases = {h: PhaseTiming(statistics.median(samples["dense"][PHASE_OF[h]]),
-                             statistics.median(samples["cached"][PHASE_OF[h]]), len(cases) * repeats)
-              for h in HALVES}
+    # sample i of each mode is the same call in the same repeat, run back to back: paired
+    phases = {h: PhaseTiming.paired(samples["dense"][PHASE_OF[h]], samples["cached"][PHASE_OF[h]]) for h in HALVES}
     return HalfTiming(phases["context_cache"], phases["action_cache"], device=str(p.device),
                       threads=torch.get_num_threads(), dtype=str(p.dtype).removeprefix("torch."), rho_p=rho_p,
                       rho_n=rho_n, calls=len(cases), repeats=repeats)

@@ -5,8 +5,9 @@ is a millisecond saved depends on the model's width and the machine: at the demo
 a 2-core CPU the gathers and scatters can cost more than the FFN rows they skip. So
 ``build-cache --profile`` times each half against dense on the machine it runs on and records a
 ``HalfTiming`` in the repository; the robot profile's ``cache.context_cache`` /
-``cache.action_cache`` say ``auto`` (run a half only where it was measured faster), ``on`` or
-``off`` (forced). ``resolve_halves`` is that decision, kept pure so it is tested directly.
+``cache.action_cache`` say ``auto`` (run a half only where it was shown faster: the timing pairs
+each call with itself and bounds the ratio, ``median_interval``), ``on`` or ``off`` (forced).
+``resolve_halves`` is that decision, kept pure so it is tested directly.
 
 No torch here: the repository's schema check and the profile's validation both read this module.
 """
@@ -14,7 +15,10 @@ No torch here: the repository's schema check and the profile's validation both r
 from __future__ import annotations
 
 import math
+import statistics
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from fractions import Fraction
 from typing import Any
 
 SETTINGS = ("auto", "on", "off")
@@ -36,17 +40,75 @@ def parse_setting(value: object, key: str) -> str:
     raise ValueError(f"{key}: must be auto, on or off (true/false read as on/off), got {value!r}")
 
 
+def median_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float | None, float | None]:
+    """The median of ``values`` and a distribution-free ``confidence`` interval for it.
+
+    Each value lies above the true median with probability 1/2, so the number below it is
+    Binomial(n, 1/2): with k the largest count such that P(B <= k) <= (1 - confidence) / 2, the
+    (k+1)-th smallest and (k+1)-th largest values bound the median at that confidence whatever
+    the distribution (a timing's tail of slow calls included). Too few values to bound it (n < 6
+    at 95 %): (median, None, None).
+    """
+    xs = sorted(float(v) for v in values)
+    n = len(xs)
+    if n == 0:
+        raise ValueError("median_interval of no values")
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence!r}")
+    tail = (1 - Fraction(confidence).limit_denominator(10 ** 6)) / 2   # exact: 2**n overflows a float past n = 1023
+    below, k = 0, -1                   # below: how many of the 2**n sign patterns have at most k values under it
+    while k + 1 < n and (below + math.comb(n, k + 1)) * tail.denominator <= tail.numerator * 2 ** n:
+        k += 1
+        below += math.comb(n, k)
+    median = statistics.median(xs)
+    return (median, None, None) if k < 0 else (median, xs[k], xs[n - 1 - k])
+
+
 @dataclass(frozen=True)
 class PhaseTiming:
-    """Median seconds of one phase, dense and with one half of the cache, over the same calls."""
+    """One phase timed dense and with one half of the cache, over the same calls.
+
+    ``dense_s`` / ``cached_s`` are each mode's median seconds. ``ratio`` is the median over the
+    calls of each call's dense / cached time, the two run back to back, with its 95 % interval
+    (``ratio_low``, ``ratio_high``; ``median_interval``): pairing a call with itself cancels what
+    the machine's speed does between calls, which on a loaded 2-core CPU moves the ratio of the
+    two medians by several percent from one profiling to the next (``pi05-mw``'s Action Cache:
+    0.90x to 1.04x on one repository, docs/cache.md). Timings recorded before the pairing carry
+    no ratio: None.
+    """
 
     dense_s: float
     cached_s: float
     samples: int          # calls x repeats behind each median
+    ratio: float | None = None
+    ratio_low: float | None = None
+    ratio_high: float | None = None
+
+    @classmethod
+    def paired(cls, dense_s: Sequence[float], cached_s: Sequence[float]) -> "PhaseTiming":
+        """From each call's dense and cached seconds, in the same order (call i ran both)."""
+        if len(dense_s) != len(cached_s) or not dense_s:
+            raise ValueError(f"paired timings need as many dense as cached samples (and some), "
+                             f"got {len(dense_s)} and {len(cached_s)}")
+        ratio, low, high = median_interval([d / c for d, c in zip(dense_s, cached_s)])
+        return cls(statistics.median(dense_s), statistics.median(cached_s), len(dense_s), ratio, low, high)
 
     @property
     def speedup(self) -> float:
-        return self.dense_s / self.cached_s
+        """The paired ratio where it was recorded, else the ratio of the medians."""
+        return self.ratio if self.ratio is not None else self.dense_s / self.cached_s
+
+    @property
+    def shown_faster(self) -> bool:
+        """Faster than dense beyond the timing's noise: the interval's lower end above 1.0 (without
+        an interval, too few calls or an older record: the point figure above 1.0)."""
+        return self.ratio_low > 1.0 if self.ratio_low is not None else self.speedup > 1.0
+
+    def describe(self) -> str:
+        """``1.07x`` and, where there is one, its interval: ``1.07x (95 % interval 1.05-1.11)``."""
+        if self.ratio_low is None or self.ratio_high is None:
+            return f"{self.speedup:.2f}x"
+        return f"{self.speedup:.2f}x (95 % interval {self.ratio_low:.2f}-{self.ratio_high:.2f})"
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "speedup": self.speedup}
@@ -76,7 +138,7 @@ class HalfTiming:
 
     def describe(self) -> str:
         parts = [f"{h.replace('_', ' ')} {PHASE_OF[h]} {1e3 * getattr(self, h).dense_s:.2f} -> "
-                 f"{1e3 * getattr(self, h).cached_s:.2f} ms ({self.speedup(h):.2f}x)" for h in HALVES]
+                 f"{1e3 * getattr(self, h).cached_s:.2f} ms ({getattr(self, h).describe()})" for h in HALVES]
         return (", ".join(parts) + f"; measured on {self.device}, {self.threads} thread(s), {self.dtype}, "
                 f"rho_p {self.rho_p:g}, rho_n {self.rho_n:g}, {self.calls} call(s) x {self.repeats}")
 
@@ -97,9 +159,15 @@ class HalfTiming:
             p = d.get(h)
             if not isinstance(p, dict):
                 raise ValueError(f"{where}.{h}: must be an object with dense_s, cached_s, samples")
+            ratios = {k: (float(number(p, k, f"{h}.{k}")) if p.get(k) is not None else None)
+                      for k in ("ratio", "ratio_low", "ratio_high")}
+            low, mid, high = ratios["ratio_low"], ratios["ratio"], ratios["ratio_high"]
+            if (low is None) != (high is None) or (low is not None and (mid is None or not low <= mid <= high)):
+                raise ValueError(f"{where}.{h}: ratio_low <= ratio <= ratio_high must hold (both bounds or neither), "
+                                 f"got {low!r}, {mid!r}, {high!r}")
             phases[h] = PhaseTiming(float(number(p, "dense_s", f"{h}.dense_s")),
                                     float(number(p, "cached_s", f"{h}.cached_s")),
-                                    int(number(p, "samples", f"{h}.samples")))
+                                    int(number(p, "samples", f"{h}.samples")), mid, low, high)
         for key in ("device", "dtype"):
             if not isinstance(d.get(key), str) or not d[key]:
                 raise ValueError(f"{where}.{key}: must be a non-empty string, got {d.get(key)!r}")
@@ -143,7 +211,8 @@ class ResolvedHalves:
 def resolve_halves(context_cache: str, action_cache: str, timing: HalfTiming | None,
                    rho_p: float | None = None) -> ResolvedHalves:
     """Each half from its setting: ``on``/``off`` force it; ``auto`` runs it only where the
-    repository's recorded timing measured it faster than dense (speed-up > 1.0).
+    repository's recorded timing showed it faster than dense: the lower end of the paired ratio's
+    95 % interval above 1.0 (``PhaseTiming.shown_faster``; a record without one: its figure).
 
     ``auto`` with no recorded timing (a repository built before the timing existed, or without
     ``--profile``) runs the half, marked *unmeasured*: that is what such a repository did before,
@@ -166,10 +235,12 @@ def resolve_halves(context_cache: str, action_cache: str, timing: HalfTiming | N
             why.append(f"{name} on (auto, unmeasured: the repository records no half timing; rebuild it with "
                        f"build-cache --profile to let this machine decide)")
         else:
-            s = timing.speedup(half)
-            run[half] = s > 1.0
-            why.append(f"{name} {'on' if run[half] else 'off'} (auto: {PHASE_OF[half]} measured {s:.2f}x "
-                       f"{'faster' if s > 1.0 else 'of dense, not faster'})")
+            t: PhaseTiming = getattr(timing, half)
+            run[half] = t.shown_faster
+            verdict = "faster" if run[half] else ("of dense, not faster" if t.ratio_low is None
+                                                  else "of dense, not shown faster")
+            why.append(f"{name} {'on' if run[half] else 'off'} "
+                       f"(auto: {PHASE_OF[half]} measured {t.describe()} {verdict})")
     reason = "; ".join(why)
     if timing is not None and any(s == "auto" for s in settings.values()):
         reason += f" [{timing.describe()}]"

@@ -18,6 +18,26 @@ from ..models.pi05 import Pi05Model, Prefix
 
 Groups = tuple[tuple[int, int], ...]
 DEFAULT_GROUPS: Groups = ((0, 5), (5, 10))  # pi0.5, 10 steps: anchors at steps 0 and 5
+DEFAULT_GROUP_COUNT = len(DEFAULT_GROUPS)   # rMuscle's choice: two masks track the steps' neurons closer than one
+
+
+def even_groups(num_steps: int, count: int) -> Groups:
+    """``count`` consecutive groups tiling ``num_steps`` denoising steps, as equal as they come
+    (the earlier groups one step longer where they do not divide): ``even_groups(10, 2)`` is
+    ``DEFAULT_GROUPS``.
+
+    Fewer groups mean fewer dense anchor steps and fewer weight gathers per call, and a mask that
+    must serve more steps (rMuscle §4.1 measures one mask over ten steps covering fewer of each
+    step's important neurons than two): ``build-cache --mask-groups`` lets the profile's deviation
+    figures and the half timing decide between them for a model on a machine.
+    """
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= num_steps:
+        raise ValueError(f"mask groups must be a whole number from 1 to the {num_steps} denoising steps, got {count!r}")
+    size, extra = divmod(num_steps, count)
+    bounds = [0]
+    for g in range(count):
+        bounds.append(bounds[-1] + size + (g < extra))
+    return tuple(zip(bounds[:-1], bounds[1:]))
 
 
 def validate_groups(groups: Groups, num_steps: int) -> Groups:

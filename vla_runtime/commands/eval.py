@@ -39,6 +39,7 @@ import torch
 from ..cache.builder import BuildConfig, build_repository_from
 from ..cache.half_profile import time_repository_halves
 from ..cache.halves import DEFAULT_RHO_N, DEFAULT_RHO_P, ResolvedHalves, choose_rho_p, resolve_halves
+from ..cache.masks import DEFAULT_GROUP_COUNT, even_groups
 from ..cache.repository import ReferenceRepository
 from ..cache.retrieval import fallback_rule, first_call_floors
 from ..engine.policy import Pi05Policy
@@ -82,6 +83,7 @@ class EvalSpec:
     reference_dataset: Path | None = None  # a LeRobot dataset (metaworld_demos --format lerobot) to build it from
     rho_p: float | None = None            # None: profiled when the repository is built here, else the repository's
     rho_n: float | None = None            # None: profiled (masks of a repository built here), else 0.5
+    mask_groups: int | None = None        # Action Cache mask groups of a repository built here (None: 2)
     profile_episodes: int = 2             # reference episodes per task replayed to profile the ratios
     tolerance: float = 0.05               # mean relative action deviation the profiled ratios may cost
     caches: tuple[str, ...] = CACHES      # which halves the cached mode forces on (ablations), or ("auto",)
@@ -108,6 +110,12 @@ class EvalSpec:
             raise ValueError("episodes, n_execute and max_steps must be >= 1")
         if unknown := sorted(set(self.modes) - set(MODES)):
             raise ValueError(f"unknown mode(s) {unknown}; choose from {MODES}")
+        if self.mask_groups is not None:
+            if self.repository is not None:
+                raise ValueError("mask_groups sets the masks of a repository built here; a given repository keeps "
+                                 "its own")
+            if isinstance(self.mask_groups, bool) or not isinstance(self.mask_groups, int) or self.mask_groups < 1:
+                raise ValueError(f"mask_groups must be a whole number >= 1, got {self.mask_groups!r}")
         if self.profile_episodes < 0 or not self.tolerance > 0:
             raise ValueError("profile_episodes must be >= 0 and tolerance > 0")
         if self.caches != (AUTO,) and (not self.caches or set(self.caches) - set(CACHES)):
@@ -315,6 +323,7 @@ def build_reference_repository(spec: EvalSpec, log: Callable[[str], None],
         meta = ReferenceRepository.open(spec.repository, verify=False).meta
         rho_p, rho_p_from = choose_rho_p(spec.rho_p, meta.half_timing)
         return spec.repository, {"repository": str(spec.repository), "built": False, "rho_p": rho_p, "rho_n": meta.rho_n,
+                                 "mask_groups": meta.mask_groups,
                                  "ratios_from": f"the repository's masks, rho_p from {rho_p_from}"}
     policy = Pi05Policy.from_checkpoint(spec.checkpoint, camera_names=list(spec.cameras))
     if spec.reference_dataset is not None:
@@ -325,9 +334,12 @@ def build_reference_repository(spec: EvalSpec, log: Callable[[str], None],
             raise RuntimeError("the dense policy succeeded in no reference episode: nothing to build a repository from")
         refs, call_period = bag_refs(bags, reference_topics(spec)), CALL_PERIOD_S
     repo = spec.out / "repository"
+    mask_groups = even_groups(policy.engine.model.cfg.num_steps,
+                              DEFAULT_GROUP_COUNT if spec.mask_groups is None else spec.mask_groups)
     profile = spec.profile_episodes if spec.rho_n is None or spec.rho_p is None else 0
     summary = build_repository_from(policy, policy.checkpoint_hash, refs, repo, call_period,
-                                    BuildConfig(rho_n=DEFAULT_RHO_N if spec.rho_n is None else spec.rho_n),
+                                    BuildConfig(rho_n=DEFAULT_RHO_N if spec.rho_n is None else spec.rho_n,
+                                                groups=mask_groups),
                                     profile_held_out=profile, tolerance=spec.tolerance,
                                     adopt_profiled=spec.rho_n is None, log=log, progress=progress)
     log(build_summary(summary.as_dict()))
@@ -337,7 +349,8 @@ def build_reference_repository(spec: EvalSpec, log: Callable[[str], None],
     return repo, {"repository": str(repo), "built": True, "reference_successes": counts,
                   "reference_dataset": None if spec.reference_dataset is None else str(spec.reference_dataset),
                   "reference_episodes_per_task": spec.reference_episodes, "calls": summary.calls,
-                  "rho_p": rho_p, "rho_n": summary.rho_n, "profile": summary.profile, "ratios_from": source}
+                  "rho_p": rho_p, "rho_n": summary.rho_n, "mask_groups": [list(g) for g in mask_groups],
+                  "profile": summary.profile, "ratios_from": source}
 
 
 def _halves_dict(halves: ResolvedHalves) -> dict[str, Any]:
@@ -695,7 +708,10 @@ def table(report: dict[str, Any]) -> str:
                  " ms per call (overlapping the chunk's execution on a robot)\n")
     if "cached" in modes:
         if "rho_p" in repo:
-            text += f"\nratios of the cached mode: rho_p {repo['rho_p']:g}, rho_n {repo['rho_n']:g} ({repo['ratios_from']})\n"
+            groups = repo.get("mask_groups")
+            steps = "" if not groups else f", Action Cache mask groups {' '.join(f'{a}-{b}' for a, b in groups)}"
+            text += (f"\nratios of the cached mode: rho_p {repo['rho_p']:g}, rho_n {repo['rho_n']:g}{steps} "
+                     f"({repo['ratios_from']})\n")
         auto = report.get("auto")
         if (halves := report.get("cached_halves")) is not None:
             text += (f"\nthe cached mode runs what `auto` picks at the pipeline's start-up, as on a robot: "

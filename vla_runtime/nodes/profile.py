@@ -111,8 +111,9 @@ class CacheSpec:
     memory_budget_mb: int = 4096
     reuse_budget_mb: int = 1024  # entries rebuilt earlier kept for the next window that wants them (0: none)
     background_nice: int = 10    # the cache manager's process runs this much nicer: rebuilds yield to calls
-    # each half of the cache: auto (run it where build-cache --profile measured it faster than dense
-    # on this machine; unmeasured: run it), on, off (true/false of older profiles read as on/off);
+    # each half of the cache: auto (run it where build-cache --profile showed it faster than dense
+    # on this machine, its paired ratio's 95 % interval above 1.0; unmeasured: run it), on, off
+    # (true/false of older profiles read as on/off);
     # resolved at start-up by cache.halves.resolve_halves
     context_cache: str = "auto"   # reuse the reference's VLM FFN outputs in the prefill (Context Cache)
     action_cache: str = "auto"    # the reference's neuron masks between anchor steps (Action Cache)
