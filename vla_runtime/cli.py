@@ -127,7 +127,7 @@ def _build_cache(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .cache.builder import BuildConfig, admit_reference, build_repository_from
-    from .cache.masks import DEFAULT_GROUP_COUNT, even_groups
+    from .cache.masks import even_groups
     from .cache.repository import ReferenceRepository
     from .engine.policy import Pi05Policy
     from .io.bags import list_episode_bags
@@ -162,8 +162,7 @@ def _build_cache(args: argparse.Namespace) -> int:
         return 0
     from .commands import summaries
 
-    groups = even_groups(policy.engine.model.cfg.num_steps,
-                         DEFAULT_GROUP_COUNT if args.mask_groups is None else args.mask_groups)
+    groups = even_groups(policy.engine.model.cfg.num_steps, args.mask_groups)
     summary = build_repository_from(policy, policy.checkpoint_hash, refs, Path(args.out), args.call_period,
                                     BuildConfig(rho_n=args.rho_n, groups=groups, history_len=args.history),
                                     args.profile,

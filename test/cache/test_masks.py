@@ -96,7 +96,7 @@ def test_even_groups_tile_the_steps_with_sizes_one_apart(steps, count):
 
 
 def test_two_even_groups_of_ten_steps_are_the_default():
-    assert even_groups(10, 2) == DEFAULT_GROUPS
+    assert even_groups(10, 2) == even_groups(10, None) == DEFAULT_GROUPS
     assert even_groups(10, 1) == ((0, 10),)
 
 

@@ -316,7 +316,6 @@ def test_mask_groups_set_the_groups_of_the_repository_built_here(setup, tmp_path
             EvalSpec(checkpoint=setup["checkpoint"], out=tmp_path, mask_groups=bad)
 
 
-
 def test_the_eval_command_passes_mask_groups_to_its_spec(tmp_path, monkeypatch):
     """``vla-runtime eval --mask-groups N`` reaches ``EvalSpec.mask_groups`` (None without it):
     the command line, not only the spec, sets a built repository's groups."""
@@ -329,6 +328,7 @@ def test_the_eval_command_passes_mask_groups_to_its_spec(tmp_path, monkeypatch):
     assert cli_main([*base, "--mask-groups", "1"]) == 0
     assert cli_main(base) == 0
     assert [s.mask_groups for s in specs] == [1, None]
+
 
 def test_the_cached_mode_forces_the_halves_whatever_auto_would_pick(setup, tmp_path):
     """A repository whose recorded timing has both halves slower than dense: ``auto`` would run

@@ -21,16 +21,19 @@ DEFAULT_GROUPS: Groups = ((0, 5), (5, 10))  # pi0.5, 10 steps: anchors at steps 
 DEFAULT_GROUP_COUNT = len(DEFAULT_GROUPS)   # rMuscle's choice: two masks track the steps' neurons closer than one
 
 
-def even_groups(num_steps: int, count: int) -> Groups:
+def even_groups(num_steps: int, count: int | None = None) -> Groups:
     """``count`` consecutive groups tiling ``num_steps`` denoising steps, as equal as they come
     (the earlier groups one step longer where they do not divide): ``even_groups(10, 2)`` is
-    ``DEFAULT_GROUPS``.
+    ``DEFAULT_GROUPS``. ``None``: ``DEFAULT_GROUP_COUNT`` (an option left unset).
 
     Fewer groups mean fewer dense anchor steps and fewer weight gathers per call, and a mask that
     must serve more steps (rMuscle §4.1 measures one mask over ten steps covering fewer of each
-    step's important neurons than two): ``build-cache --mask-groups`` lets the profile's deviation
-    figures and the half timing decide between them for a model on a machine.
+    step's important neurons than two, Figure 9): ``build-cache --mask-groups`` lets the half
+    timing and ``eval``'s success measure that trade for a model on a machine (at ``pi05-mw`` one
+    group paid in time and lost success: docs/cache.md, "One mask group at pi05-mw").
     """
+    if count is None:
+        count = DEFAULT_GROUP_COUNT
     if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= num_steps:
         raise ValueError(f"mask groups must be a whole number from 1 to the {num_steps} denoising steps, got {count!r}")
     size, extra = divmod(num_steps, count)

@@ -39,7 +39,7 @@ import torch
 from ..cache.builder import BuildConfig, build_repository_from
 from ..cache.half_profile import time_repository_halves
 from ..cache.halves import DEFAULT_RHO_N, DEFAULT_RHO_P, ResolvedHalves, choose_rho_p, resolve_halves
-from ..cache.masks import DEFAULT_GROUP_COUNT, even_groups
+from ..cache.masks import even_groups
 from ..cache.repository import ReferenceRepository
 from ..cache.retrieval import fallback_rule, first_call_floors
 from ..engine.policy import Pi05Policy
@@ -334,8 +334,7 @@ def build_reference_repository(spec: EvalSpec, log: Callable[[str], None],
             raise RuntimeError("the dense policy succeeded in no reference episode: nothing to build a repository from")
         refs, call_period = bag_refs(bags, reference_topics(spec)), CALL_PERIOD_S
     repo = spec.out / "repository"
-    mask_groups = even_groups(policy.engine.model.cfg.num_steps,
-                              DEFAULT_GROUP_COUNT if spec.mask_groups is None else spec.mask_groups)
+    mask_groups = even_groups(policy.engine.model.cfg.num_steps, spec.mask_groups)
     profile = spec.profile_episodes if spec.rho_n is None or spec.rho_p is None else 0
     summary = build_repository_from(policy, policy.checkpoint_hash, refs, repo, call_period,
                                     BuildConfig(rho_n=DEFAULT_RHO_N if spec.rho_n is None else spec.rho_n,
@@ -709,8 +708,8 @@ def table(report: dict[str, Any]) -> str:
     if "cached" in modes:
         if "rho_p" in repo:
             groups = repo.get("mask_groups")
-            steps = "" if not groups else f", Action Cache mask groups {' '.join(f'{a}-{b}' for a, b in groups)}"
-            text += (f"\nratios of the cached mode: rho_p {repo['rho_p']:g}, rho_n {repo['rho_n']:g}{steps} "
+            groups_text = "" if not groups else f", Action Cache mask groups {' '.join(f'{a}-{b}' for a, b in groups)}"
+            text += (f"\nratios of the cached mode: rho_p {repo['rho_p']:g}, rho_n {repo['rho_n']:g}{groups_text} "
                      f"({repo['ratios_from']})\n")
         auto = report.get("auto")
         if (halves := report.get("cached_halves")) is not None:
