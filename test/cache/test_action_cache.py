@@ -188,3 +188,33 @@ def test_weights_changed_in_place_or_another_model_are_gathered_again(model):
     back = _denoise_mlps(model, buf, masks, x_a, x_t)
     assert buf.gathers - before == 2 * cfg.expert.depth
     assert torch.equal(back, first)
+
+
+def test_a_later_step_is_the_masked_ffn_kernel_over_the_anchors_gathered_rows_bit_for_bit(model):
+    """The step reads views made once (``StepScratch``, the per-layer anchor rows, the transposed
+    gate/up rows) instead of indexing per step: the same operations as ``kernels.masked_ffn``
+    given the anchor's folded output and M's rows, so the result is identical to the bit, in
+    every layer and both groups (an off-by-one view, the up half taken for the gate or another
+    layer's anchor row, would differ by far more than rounding)."""
+    from vla_runtime import kernels
+    from vla_runtime.kernels.fallback import gather_masked_weights
+
+    cfg = model.cfg
+    masks = _masks(cfg, 7)
+    g = torch.Generator().manual_seed(8)
+    x_a = torch.randn(1, cfg.chunk_size, cfg.expert.width, generator=g)
+    x_t = x_a + 0.3 * torch.randn(x_a.shape, generator=g)
+    buf = ActionCacheBuffers(cfg, K, torch.float32, torch.device("cpu"))
+    ac = ActionCache(buf, masks, ((0, 5), (5, 10)), 10)
+    ws = model.workspace.narrow(1)
+    with torch.no_grad():
+        for group, (anchor, later) in enumerate(((0, 3), (5, 8))):
+            for layer, block in enumerate(model.expert_layers):
+                ac(layer, anchor, block.mlp, x_a, ws)
+            for layer, block in enumerate(model.expert_layers):
+                got = ac(layer, later, block.mlp, x_t, ws)[0].clone()
+                want = kernels.masked_ffn(x_t[0], block.mlp.gate_up, block.mlp.down_t, masks[group, layer],
+                                          y_anchor=buf.y_anchor[layer].clone(),
+                                          gathered=gather_masked_weights(block.mlp.gate_up, block.mlp.down_t,
+                                                                         masks[group, layer]))
+                assert torch.equal(got, want), (group, layer)

@@ -57,11 +57,11 @@ def test_eval_reports_consistent_numbers(setup):
                     n_execute=4, max_steps=10, image_size=32, repository=setup["repo"])
     bars = RecordingBars()
     report = evaluate(spec, log=lambda m: None, progress=bars)
-    # the modes take turns episode by episode, so their times are measured side by side (the
-    # evaluation bar's postfix names each episode as it ends)
+    # the modes take turns episode by episode, so their times are measured side by side, the one
+    # that goes first alternating (the evaluation bar's postfix names each episode as it ends)
     evaluation = bars.postfixes["evaluation (dense, cached in turn)"]
     assert [p.split()[:3] for p in evaluation] == [["dense", TASK, "1/2"], ["cached", TASK, "1/2"],
-                                                   ["dense", TASK, "2/2"], ["cached", TASK, "2/2"]]
+                                                   ["cached", TASK, "2/2"], ["dense", TASK, "2/2"]]
     on_disk = json.loads((spec.out / "eval.json").read_text())
     lengths = {e.episode_id: e.num_calls for e in ReferenceRepository.open(setup["repo"]).episodes()}
     assert on_disk["max_steps"] == spec.max_steps and on_disk["n_execute"] == spec.n_execute
@@ -98,6 +98,12 @@ def test_eval_reports_consistent_numbers(setup):
     assert pr["pairs"] == 2 and pr["both"] + pr["dense_only"] + pr["other_only"] + pr["neither"] == 2
     assert pr["difference_points"] == pytest.approx(report["comparison"]["success_points"])   # same seeds
     assert report["comparison"]["paired"]["per_task"][TASK]["pairs"] == 2
+    # the call time seed by seed: two seeds, too few for an interval
+    by_seed = report["comparison"]["by_seed"]["per_call"]
+    dense_eps, cached_eps = report["episodes"]["dense"], report["episodes"]["cached"]
+    assert by_seed["pairs"] == 2 and by_seed["interval95"] is None
+    assert by_seed["median"] == pytest.approx(np.mean([np.mean(d["call_s"]) / np.mean(c["call_s"])
+                                                       for d, c in zip(dense_eps, cached_eps)]))
     table = (spec.out / "eval.md").read_text()
     assert TASK in table and "cached vs dense" in table and "| fallback |" in table and "seed by seed" in table
     assert "more than 3 matches to a reference's last call (past the references)" in table   # the default rule
@@ -125,7 +131,9 @@ def test_eval_reports_consistent_numbers(setup):
     paragraph = printed.split("\n\n")[1]
     assert "\n\n" not in paragraph.strip() and paragraph in printed and paragraph.replace("\n", " ") in table
     c, pr = report["comparison"], report["comparison"]["paired"]["overall"]
-    assert f"({c['speedup_per_call']:.2f}x)" in paragraph.replace("\n", " ")
+    bs = c["by_seed"]["per_call"]
+    assert (f"({c['speedup_per_call']:.2f}x; seed by seed {bs['median']:.2f}x over 2 seeds, the vision phase (the "
+            f"same work in both) {c['by_seed']['vision']['median']:.2f}x)") in paragraph.replace("\n", " ")
     assert f"On the same {pr['pairs']} seeds" in paragraph
     # the net per call counts what the selection, begun beside the vision tower, took from the tower
     dp, cp = (report["modes"][m]["overall"]["mean_phase_s"] for m in ("dense", "cached"))
@@ -200,6 +208,40 @@ def test_paired_difference_counts_discordant_seeds_and_its_standard_error():
     lo, hi = pr["interval95_points"]
     assert lo < pr["difference_points"] < hi
     assert paired(dense, [])["difference_points"] is None and paired(dense, [])["pairs"] == 0
+
+
+def test_the_modes_take_turns_going_first():
+    assert [eval_tool.mode_order(("dense", "cached"), i) for i in range(3)] == \
+        [("dense", "cached"), ("cached", "dense"), ("dense", "cached")]
+    assert eval_tool.mode_order(("dense",), 1) == ("dense",)
+
+
+def _timed(task: str, seed: int, call_s: list[float], vision_s: list[float]) -> EpisodeResult:
+    return EpisodeResult(task, seed, True, 10, len(call_s), 0, call_s, {"vision": vision_s}, {})
+
+
+def test_speed_by_seed_is_the_median_of_each_seeds_mean_call_ratio_with_its_interval():
+    """Seed i: dense calls of mean (1 + i) / 10 s against cached ones of mean (1 + i) / 11 s, a
+    1.1x ratio on every seed whatever its length, except seeds 0 and 1 (3.0x and 0.5x, the tails)
+    and seed 9, which only dense ran (no pair). The overall means would weigh the long seeds;
+    the median of the 9 ratios is 1.1, and the interval at n = 9 is the 2nd smallest to the 2nd
+    largest (P(B <= 1) = 10/512 <= 0.025 < P(B <= 2) = 46/512). The vision phase, its own
+    control, is 1.05x on the 5 even seeds and 0.95x on the 4 odd ones."""
+    dense, cached = [], []
+    for i in range(10):
+        d = (1 + i) / 10
+        c = {0: d / 3.0, 1: d / 0.5}.get(i, d / 1.1)
+        dense.append(_timed("t", i, [d * 0.5, d * 1.5], [0.01] * 2))
+        if i < 9:
+            cached.append(_timed("t", i, [c] * (i + 1), [0.01 / (1.05 if i % 2 == 0 else 0.95)] * (i + 1)))
+    got = eval_tool.speed_by_seed(dense, list(reversed(cached)))
+    call = got["per_call"]
+    assert call["pairs"] == 9 and call["median"] == pytest.approx(1.1)
+    assert call["interval95"] == pytest.approx([1.1, 1.1])
+    vision = got["vision"]
+    assert vision["pairs"] == 9 and vision["median"] == pytest.approx(1.05)
+    assert vision["interval95"] == pytest.approx([0.95, 1.05])
+    assert eval_tool.speed_by_seed(dense, []) == {"per_call": None, "vision": None}
 
 
 def test_the_context_cache_alone_serves_the_prefill_and_denoises_dense(setup):

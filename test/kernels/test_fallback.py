@@ -276,8 +276,9 @@ def test_cached_engine_actions_are_unchanged_by_the_kernel_dispatch(monkeypatch)
         if step in self.anchors:
             return self._anchor(layer, step, mlp, x, ws)
         b = self.buf
-        w_gate_up, w_down = self.gathered[self.group_of[step]][layer]   # what the group's anchor gathered
-        _old_action_step(x[0], w_gate_up, w_down, None, b.y_anchor[layer], b.gate_up, ws.mlp_out[0])   # h_a folded
+        # what the group's anchor gathered (its gate/up rows kept transposed, as a step reads them)
+        w_gate_up_t, w_down = self.gathered[self.group_of[step]][layer]
+        _old_action_step(x[0], w_gate_up_t.t(), w_down, None, b.y_anchor[layer], b.gate_up, ws.mlp_out[0])   # h_a folded
         return ws.mlp_out
 
     def old_context_call(self, layer, mlp, x):

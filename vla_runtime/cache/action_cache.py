@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from .. import kernels
-from ..kernels.fallback import gate_up_rows, gather_masked_weights
+from ..kernels.fallback import StepScratch, compact_masked_ffn, gate_up_rows, gather_masked_weights
 from ..models.config import Pi05Config
 from ..models.gemma import GemmaMLP, Workspace
 from .masks import Groups, validate_groups
@@ -51,6 +51,10 @@ class ActionCacheBuffers:
         self.h_anchor = torch.empty(e.depth, rows, k, dtype=dtype, device=device)
         self.act = torch.empty(rows, e.mlp_dim, dtype=dtype, device=device)
         self.gate_up = torch.empty(rows, 2 * k, dtype=dtype, device=device)
+        # views made once, not per step (at the CPU's widths a view costs about what a small op does)
+        self.scratch = StepScratch.of(self.gate_up)
+        self.y_rows = self.y_anchor.unbind(0)     # per layer
+        self.h_rows = self.h_anchor.unbind(0)
         self._gathered: dict[tuple[int, int], _Gathered] = {}
         self.gathers = 0                         # gathers done (diagnostics: the others were reused)
 
@@ -101,7 +105,8 @@ class ActionCache:
         self.anchors = {a for a, _ in groups}
         # Decided once per call: the CUDA kernel reads M's weights in place, so no gather is needed.
         self.in_place = kernels.would_use_cupy(buffers.y_anchor, "masked_ffn")
-        # what each (group, layer)'s anchor gathered, for the group's later steps
+        # what each (group, layer)'s anchor gathered, for the group's later steps: the gate/up rows
+        # transposed ([W, 2K], what a step multiplies by) and the down rows
         self.gathered: list[list[tuple[Tensor, Tensor] | None]] = [[None] * masks.shape[1] for _ in groups]
         self._gate_up_rows: Tensor | None = None   # of every mask at once, at the call's first gather
 
@@ -113,11 +118,11 @@ class ActionCache:
             return self._anchor(layer, step, mlp, x, ws)
         group = self.group_of[step]
         if self.in_place:
-            kernels.masked_ffn(x[0], mlp.gate_up, mlp.down_t, self.masks[group, layer], h_anchor=buf.h_anchor[layer],
-                               y_anchor=buf.y_anchor[layer], out=ws.mlp_out[0])
+            kernels.masked_ffn(x[0], mlp.gate_up, mlp.down_t, self.masks[group, layer], h_anchor=buf.h_rows[layer],
+                               y_anchor=buf.y_rows[layer], out=ws.mlp_out[0])
         else:   # the anchor folded h_a[M] into y_anchor: no subtraction per step
-            kernels.masked_ffn(x[0], mlp.gate_up, mlp.down_t, self.masks[group, layer], y_anchor=buf.y_anchor[layer],
-                               out=ws.mlp_out[0], gathered=self.gathered[group][layer], work=buf.gate_up)
+            gate_up_t, down = self.gathered[group][layer]
+            compact_masked_ffn(x[0], gate_up_t, down, buf.scratch, y_anchor=buf.y_rows[layer], out=ws.mlp_out[0])
         return ws.mlp_out
 
     def _anchor(self, layer: int, step: int, mlp: GemmaMLP, x: Tensor, ws: Workspace) -> Tensor:
@@ -127,13 +132,13 @@ class ActionCache:
         y = mlp(x, ws, act_out=buf.act)
         group = self.group_of[step]
         neurons = self.masks[group, layer]
-        torch.index_select(buf.act, 1, neurons, out=buf.h_anchor[layer])
+        torch.index_select(buf.act, 1, neurons, out=buf.h_rows[layer])
         if self.in_place:
-            buf.y_anchor[layer].copy_(y[0])
+            buf.y_rows[layer].copy_(y[0])
         else:
-            gathered = self.gathered[group][layer] = buf.gathered_weights(
-                group, layer, mlp, neurons, rows=lambda: self._rows(mlp)[group, layer])
-            torch.addmm(y[0], buf.h_anchor[layer], gathered[1], alpha=-1, out=buf.y_anchor[layer])
+            gate_up, down = buf.gathered_weights(group, layer, mlp, neurons, rows=lambda: self._rows(mlp)[group, layer])
+            self.gathered[group][layer] = (gate_up.t(), down)
+            torch.addmm(y[0], buf.h_rows[layer], down, alpha=-1, out=buf.y_rows[layer])
         return y
 
     def _rows(self, mlp: GemmaMLP) -> Tensor:

@@ -8,6 +8,8 @@ therefore changes nothing on CPU, bit for bit; ``test/kernels/test_fallback.py``
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -49,13 +51,38 @@ def masked_ffn(x: Tensor, gate_up: Tensor, down_t: Tensor, neurons: Tensor, h_an
     """
     k = neurons.numel()
     w_gate_up, w_down = gathered if gathered is not None else gather_masked_weights(gate_up, down_t, neurons)
-    gu = torch.mm(x, w_gate_up.t(), out=work)
-    h = gelu_tanh_(gu[:, :k]).mul_(gu[:, k:])
+    scratch = StepScratch.of(x.new_empty(x.shape[0], 2 * k) if work is None else work)
+    return compact_masked_ffn(x, w_gate_up.t(), w_down, scratch, y_anchor, out, h_anchor)
+
+
+@dataclass(frozen=True)
+class StepScratch:
+    """The masked step's [T, 2K] gate/up scratch and its gate and up halves, sliced once: at the
+    widths the fallback runs, a view costs about as much as the GELU over it."""
+
+    gate_up: Tensor
+    gate: Tensor
+    up: Tensor
+
+    @staticmethod
+    def of(work: Tensor) -> "StepScratch":
+        k = work.shape[1] // 2
+        return StepScratch(work, work[:, :k], work[:, k:])
+
+
+def compact_masked_ffn(x: Tensor, gate_up_t: Tensor, down: Tensor, scratch: StepScratch,
+                       y_anchor: Tensor | None = None, out: Tensor | None = None,
+                       h_anchor: Tensor | None = None) -> Tensor:
+    """``masked_ffn`` over compact weights already gathered (``gate_up_t`` [W, 2K], the transposed
+    gate/up rows; ``down`` [K, W]) with every view made beforehand: the Action Cache's step, op for
+    op ``masked_ffn``'s, without the per-step indexing around it."""
+    torch.mm(x, gate_up_t, out=scratch.gate_up)
+    h = gelu_tanh_(scratch.gate).mul_(scratch.up)
     if h_anchor is not None:
         h.sub_(h_anchor)
     if y_anchor is None:
-        return torch.mm(h, w_down, out=out)
-    return torch.addmm(y_anchor, h, w_down, out=out)
+        return torch.mm(h, down, out=out)
+    return torch.addmm(y_anchor, h, down, out=out)
 
 
 def blocked_mlp(x: Tensor, gate_up: Tensor, down_t: Tensor) -> Tensor:
