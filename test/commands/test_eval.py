@@ -411,8 +411,14 @@ def test_eval_pool_pairs_the_seeds_of_several_runs_once_each(setup, tmp_path, ca
     assert pooled["paired"]["overall"]["pairs"] == 2
     assert pooled["dense"]["successes"] == sum(r["modes"]["dense"]["overall"]["successes"] for r in reports)
     assert pooled["other"]["successes"] == sum(r["modes"]["cached"]["overall"]["successes"] for r in reports)
+    # the call time seed by seed, each seed's two episodes from its own run (where they ran side by side)
+    ratios = [np.mean(r["episodes"]["dense"][0]["call_s"]) / np.mean(r["episodes"]["cached"][0]["call_s"])
+              for r in reports]
+    assert pooled["by_seed"]["per_call"]["pairs"] == 2
+    assert pooled["by_seed"]["per_call"]["median"] == pytest.approx(np.mean(ratios))
     across = pool([runs[0]], [runs[0]], other_mode="dense")      # a run against itself: every episode identical
     assert across["paired"]["overall"]["identical_episodes"] == 1
+    assert across["by_seed"] is None                              # the sides were not timed side by side
     with pytest.raises(ValueError, match="appear twice"):
         pool([runs[0], runs[0]])
     with pytest.raises(ValueError, match="no 'resampled' episodes"):
@@ -424,7 +430,9 @@ def test_eval_pool_pairs_the_seeds_of_several_runs_once_each(setup, tmp_path, ca
     with pytest.raises(ValueError, match="different checkpoints"):
         pool([runs[0], tmp_path / "moved"])
     assert cli_main(["eval-pool", *map(str, runs), "--out", str(tmp_path / "pool.json")]) == 0
-    assert "| overall |" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "| overall |" in printed
+    assert f"call time dense over cached, seed by seed {pooled['by_seed']['per_call']['median']:.2f}x over 2 seeds" in printed
     assert json.loads((tmp_path / "pool.json").read_text())["paired"]["overall"]["pairs"] == 2
 
 

@@ -588,7 +588,9 @@ def load_episodes(run: Path, mode: str) -> tuple[dict[str, Any], list[EpisodeRes
 def pool(dense_runs: list[Path], other_runs: list[Path] | None = None, other_mode: str = "cached") -> dict[str, Any]:
     """Dense against another mode seed by seed over several ``eval`` runs of one checkpoint, e.g.
     more seeds run side by side (``--eval-seed``), or dense on other noise (``--seed 1``, mode
-    dense) as the scale. ``other_runs`` defaults to the dense runs themselves."""
+    dense) as the scale. ``other_runs`` defaults to the dense runs themselves; then the call time
+    is compared seed by seed too (``speed_by_seed``: within one run the two episodes of a seed ran
+    one after the other; across runs they did not, so no speed is compared there)."""
     def gather(runs: list[Path], mode: str) -> tuple[set[str], list[str], list[EpisodeResult]]:
         checkpoints, tasks, episodes = set(), [], []
         for run in runs:
@@ -610,12 +612,15 @@ def pool(dense_runs: list[Path], other_runs: list[Path] | None = None, other_mod
     return {"checkpoint": ck_d.pop(), "tasks": tasks, "other_mode": other_mode,
             "dense": {"episodes": len(dense), "successes": sum(e.success for e in dense)},
             "other": {"episodes": len(other), "successes": sum(e.success for e in other)},
-            "paired": paired_by_task(dense, other, tuple(tasks))}
+            "paired": paired_by_task(dense, other, tuple(tasks)),
+            "by_seed": speed_by_seed(dense, other) if other_runs is None else None}
 
 
 def pool_table(pooled: dict[str, Any]) -> str:
     d, o, mode = pooled["dense"], pooled["other"], pooled["other_mode"]
-    return (f"dense {d['successes']}/{d['episodes']}, {mode} {o['successes']}/{o['episodes']}\n\n"
+    speed = _by_seed_text(pooled.get("by_seed")).removeprefix("; ")
+    return (f"dense {d['successes']}/{d['episodes']}, {mode} {o['successes']}/{o['episodes']}"
+            + (f"; call time dense over {mode}, {speed}" if speed else "") + "\n\n"
             + paired_table(pooled["tasks"], pooled["paired"], mode))
 
 
