@@ -26,14 +26,10 @@ machine may be shared).
 from __future__ import annotations
 
 import argparse
-import importlib
-import io
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -49,19 +45,13 @@ from vla_runtime.engine.policy import Pi05Policy  # noqa: E402
 from vla_runtime.nodes.profile import CacheSpec  # noqa: E402
 from vla_runtime.nodes.selection import WindowSelector  # noqa: E402
 from vla_runtime.nodes.stages import CacheStage, RingNames, manager_config  # noqa: E402
-from vla_runtime.sim.metaworld_env import DEFAULT_CAMERAS  # noqa: E402
 
-BASE = "vla_runtime_base"
+from baseline import import_revision, module, side_by_side_parser  # noqa: E402
 
 
 def baseline_selector_class(rev: str, into: Path) -> type:
-    """``WindowSelector`` of revision ``rev``, from its own package (``vla_runtime_base``)."""
-    tar = subprocess.run(["git", "-C", str(ROOT), "archive", f"--prefix={BASE}/", f"{rev}:vla_runtime"],
-                         check=True, capture_output=True).stdout
-    with tarfile.open(fileobj=io.BytesIO(tar)) as t:
-        t.extractall(into, filter="data")
-    sys.path.insert(0, str(into))
-    return importlib.import_module(f"{BASE}.nodes.selection").WindowSelector
+    """``WindowSelector`` of revision ``rev``, from its own package (``bench/baseline.py``)."""
+    return module(import_revision(rev, into), "nodes.selection").WindowSelector
 
 
 def _stats(xs: list[float]) -> dict[str, float]:
@@ -164,15 +154,10 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", required=True)
-    ap.add_argument("--repository", required=True)
-    ap.add_argument("--cameras", nargs="+", default=list(DEFAULT_CAMERAS), help="the policy's camera names")
-    ap.add_argument("--baseline", default="main", help="git revision whose WindowSelector is the old side")
+    ap = side_by_side_parser(__doc__, "WindowSelector")
     ap.add_argument("--repeats", type=int, default=3, help="passes over every reference episode")
     ap.add_argument("--pollute-mb", type=float, default=0.0,
                     help="MB of other memory traffic before each selection (the ViT pass before it; 0: none)")
-    ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     report = run(args)
     if args.out:

@@ -122,6 +122,18 @@ def argparse_options(source: Path) -> set[str]:
     return opts
 
 
+def declared_options(script: Path) -> set[str]:
+    """``argparse_options`` of a script and of the modules beside it that it imports (a benchmark's
+    shared options live in one of those: ``bench/baseline.py``)."""
+    opts = argparse_options(script)
+    for node in ast.walk(ast.parse(script.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            sibling = script.parent / f"{node.module}.py"
+            if sibling.is_file():
+                opts |= argparse_options(sibling)
+    return opts
+
+
 def flags(argv: tuple[str, ...]) -> list[str]:
     return [a.split("=", 1)[0] for a in argv if a.startswith("--") and a != "--"]
 
@@ -163,7 +175,7 @@ def check(cmd: Command) -> str | None:
                 return f"no script {argv[1]}"
         else:
             return None
-        unknown = sorted(set(flags(rest)) - argparse_options(source))
+        unknown = sorted(set(flags(rest)) - declared_options(source))
         return f"{source.relative_to(ROOT)} declares no {unknown}" if unknown else None
     if name in ("bash", "sh") and len(argv) > 1 and argv[1].endswith(".sh"):
         script = ROOT / argv[1]
@@ -296,15 +308,18 @@ def test_the_checks_catch_a_broken_page(tmp_path: Path):
     page = "```bash\n.venv/bin/vla-runtime bench --preset pi05-small \\\n    --no-such-flag 3   # comment\n" \
            "vla-runtime evaluate --out x && make no-such-target\n" \
            "python -m vla_runtime.no_such_module --x 1\n" \
-           "PYTHONPATH=. python bench/pipeline_cache.py --no-such-option\n```\n"
+           "PYTHONPATH=. python bench/pipeline_cache.py --no-such-option\n" \
+           "python bench/halves_baseline.py --checkpoint c --rounds 2 --no-such-option\n```\n"
     found = commands(shell_blocks(page)[0][1], "page.md", 2)
-    assert [c.where for c in found] == ["page.md:2", "page.md:4", "page.md:4", "page.md:5", "page.md:6"]
+    assert [c.where for c in found] == ["page.md:2", "page.md:4", "page.md:4", "page.md:5", "page.md:6", "page.md:7"]
     problems = [check(c) for c in found]
     assert "unrecognized arguments: --no-such-flag" in problems[0]
     assert "invalid choice: 'evaluate'" in problems[1]
     assert "no target ['no-such-target']" in problems[2]
     assert "no module vla_runtime.no_such_module" in problems[3]
     assert "declares no ['--no-such-option']" in problems[4]
+    # --checkpoint is declared in bench/baseline.py, which the script imports; --rounds in the script
+    assert problems[5].endswith("declares no ['--no-such-option']")
     md = tmp_path / "docs" / "p.md"
     md.parent.mkdir()
     md.write_text("# Title\n\n[ok](p.md#title) [gone](missing.md) [bad anchor](#nowhere) `[code](x.md)`\n")
