@@ -10,9 +10,10 @@ The cached run needs a reference repository. It is built here, as on a robot: th
 runs ``reference_episodes`` episodes per task on seeds disjoint from the evaluation seeds, its
 successful ones are recorded as rosbag2 episodes and ``build_repository`` turns them into the
 repository (so no evaluation seed is ever a reference). Then both modes run the same evaluation
-seeds, taking turns episode by episode so that their times are measured side by side; the report
-has success rate, mean policy calls per successful episode, per-phase latency, the speed-up and
-the fallback rate, per task and overall, as JSON, a table and a PNG plot.
+seeds, taking turns episode by episode (the one going first alternating) so that their times are
+measured side by side; the report has success rate, mean policy calls per successful episode,
+per-phase latency, the speed-up (also seed by seed, ``speed_by_seed``) and the fallback rate, per
+task and overall, as JSON, a table and a PNG plot.
 
 Both modes also draw the same denoising noise on a seed (``start_episode(noise_seed=seed)``):
 an episode differs between them only where the cache changed a chunk, so a call that fell back
