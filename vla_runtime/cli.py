@@ -165,8 +165,7 @@ def _build_cache(args: argparse.Namespace) -> int:
     groups = even_groups(policy.engine.model.cfg.num_steps, args.mask_groups)
     summary = build_repository_from(policy, policy.checkpoint_hash, refs, Path(args.out), args.call_period,
                                     BuildConfig(rho_n=args.rho_n, groups=groups, history_len=args.history),
-                                    args.profile,
-                                    tolerance=args.tolerance, adopt_profiled=args.adopt_profiled, log=_log,
+                                    args.profile, tolerance=args.tolerance, adopt_profiled=args.adopt_profiled, log=_log,
                                     progress=bars)
     summaries.emit(summary.as_dict(), args.summary, summaries.build)
     return 0

@@ -500,6 +500,12 @@ def mode_order(modes: tuple[str, ...], episode: int) -> tuple[str, ...]:
     return modes if episode % 2 == 0 else modes[::-1]
 
 
+def same_seeds(dense: list[EpisodeResult], other: list[EpisodeResult]) -> list[tuple[EpisodeResult, EpisodeResult]]:
+    """(dense, other) episode pairs of the same task and seed, in ``other``'s order."""
+    by_key = {(r.task, r.seed): r for r in dense}
+    return [(by_key[(o.task, o.seed)], o) for o in other if (o.task, o.seed) in by_key]
+
+
 def speed_by_seed(dense: list[EpisodeResult], other: list[EpisodeResult]) -> dict[str, Any]:
     """Dense against another mode's call time seed by seed: for each seed both ran, the dense
     episode's mean call time over the other's, then the median of those ratios with its
@@ -509,11 +515,9 @@ def speed_by_seed(dense: list[EpisodeResult], other: list[EpisodeResult]) -> dic
 
     The vision phase does the same work in both modes: its ratio, taken the same way, is the
     control, and shows how far the machine alone moves a ratio between the two runs of a seed."""
-    by_key = {(r.task, r.seed): r for r in dense}
     calls, vision = [], []
-    for o in other:
-        d = by_key.get((o.task, o.seed))
-        if d is None or not d.call_s or not o.call_s:
+    for d, o in same_seeds(dense, other):
+        if not d.call_s or not o.call_s:
             continue
         calls.append(statistics.fmean(d.call_s) / statistics.fmean(o.call_s))
         if d.phase_s.get("vision") and o.phase_s.get("vision"):
@@ -550,8 +554,7 @@ def paired(dense: list[EpisodeResult], other: list[EpisodeResult]) -> dict[str, 
     """Success of dense and another mode seed by seed: which episodes only one of them solved, and
     the other-minus-dense difference with the standard error of a paired difference (the pose and,
     for the cache, the noise are shared, so only the discordant seeds carry information)."""
-    by_key = {(r.task, r.seed): r for r in dense}
-    matched = [(by_key[(o.task, o.seed)], o) for o in other if (o.task, o.seed) in by_key]
+    matched = same_seeds(dense, other)
     pairs = [(d.success, o.success) for d, o in matched]
     n = len(pairs)
     dense_only = sum(d and not o for d, o in pairs)
@@ -619,7 +622,7 @@ def pool(dense_runs: list[Path], other_runs: list[Path] | None = None, other_mod
 
 def pool_table(pooled: dict[str, Any]) -> str:
     d, o, mode = pooled["dense"], pooled["other"], pooled["other_mode"]
-    speed = _by_seed_text(pooled.get("by_seed")).removeprefix("; ")
+    speed = _by_seed_text(pooled.get("by_seed"))
     return (f"dense {d['successes']}/{d['episodes']}, {mode} {o['successes']}/{o['episodes']}"
             + (f"; call time dense over {mode}, {speed}" if speed else "") + "\n\n"
             + paired_table(pooled["tasks"], pooled["paired"], mode))
@@ -687,8 +690,9 @@ def reading(report: dict[str, Any]) -> str:
     elif ci is not None:
         parts.append(f"The difference, {pr['difference_points']:+.0f} points with a 95 % interval of {ci[0]:+.0f} "
                      f"to {ci[1]:+.0f}, is larger than chance at these {pr['pairs']} seeds.")
+    by_seed = _by_seed_text(comp.get("by_seed"))
     parts.append(f"A cached call took {_ms(c['mean_call_s'])} against {_ms(d['mean_call_s'])} dense "
-                 f"({_fmt(comp['speedup_per_call'])}x{_by_seed_text(comp.get('by_seed'))}), "
+                 f"({_fmt(comp['speedup_per_call'])}x{'; ' + by_seed if by_seed else ''}), "
                  f"{_fmt(c['fallback_rate'], '{:.0%}')} of its calls ran dense (fallback).")
     dp, cp = d["mean_phase_s"], c["mean_phase_s"]
     if all(p in dp and p in cp for p in ("prefill", "denoise")) and d["mean_call_s"]:
@@ -725,14 +729,14 @@ def reading(report: dict[str, Any]) -> str:
 
 
 def _by_seed_text(by_seed: dict[str, Any] | None) -> str:
-    """'; seed by seed 1.02x (95 % interval 1.01-1.04) over 150 seeds, the vision phase (the same
+    """'seed by seed 1.02x (95 % interval 1.01-1.04) over 150 seeds, the vision phase (the same
     work in both) 1.00x (...)', or '' for a report without the figure."""
     def one(f: dict[str, Any]) -> str:
         ci = f["interval95"]
         return f"{f['median']:.2f}x" + ("" if ci is None else f" (95 % interval {ci[0]:.2f}-{ci[1]:.2f})")
     if not by_seed or by_seed.get("per_call") is None:
         return ""
-    text = f"; seed by seed {one(by_seed['per_call'])} over {by_seed['per_call']['pairs']} seeds"
+    text = f"seed by seed {one(by_seed['per_call'])} over {by_seed['per_call']['pairs']} seeds"
     if by_seed.get("vision") is not None:
         text += f", the vision phase (the same work in both) {one(by_seed['vision'])}"
     return text
