@@ -308,3 +308,24 @@ def test_a_restarted_cache_manager_is_taken_up_between_calls_or_else_at_the_call
     finally:
         selector.close()
         stage.close()
+
+
+def test_a_late_note_of_a_task_switched_away_from_does_not_restart_its_episode(published):
+    """A call in flight when the instruction changed reports its selection after the robot was
+    switched back: following it would begin the other task's episode, then the next call would
+    begin the current one a second time (seen in the ROS fault test under load: three episodes
+    started for one announced). Until an instruction is heard every task's notes are followed."""
+    from vla_runtime.cache.selector import Selection
+
+    stage, repo, _, _ = published
+    task, other = repo.tasks()[0], "a task switched away from"
+    stage.follow(Selection(1, other, 0, None))            # no instruction heard yet: followed
+    assert stage.worker.manager.task == other and stage.notes_of_other_tasks == 0
+    stage.instruct(task)
+    stage.begin(task, 0)
+    started = stage.worker.episodes_started
+    stage.follow(Selection(2, other, 0, None, reason="initial window still being prepared"))
+    assert stage.worker.episodes_started == started and stage.worker.manager.task == task
+    assert stage.notes_of_other_tasks == 1
+    stage.follow(Selection(3, task, 0, None))             # the current task's notes are followed
+    assert stage.worker.episodes_started == started and stage.worker.last_selection.request_seq == 3

@@ -121,14 +121,19 @@ class CacheManagerNode(ManagedNode):
 
     def _on_instruction(self, msg: String) -> None:
         """A new instruction: prepare its task's initial window now, before the first call needs
-        it (a call finding no window of its task runs dense; it never waits)."""
-        if not self.active:
-            return
+        it (a call finding no window of its task runs dense; it never waits). Heard while
+        inactive too: the notes of other tasks are dropped from activation on."""
         try:
             task = instruction_from_msg(msg)
         except InputError:
             return   # the policy node refuses it and says why
-        w = self.stage.worker
+        stage = self.stage
+        if stage is None:   # released (cleanup) while the message was on its way
+            return
+        stage.instruct(task)
+        if not self.active:
+            return
+        w = stage.worker
         if w is not None and task != w.manager.task:
             self._begin(task)
 
@@ -156,7 +161,8 @@ class CacheManagerNode(ManagedNode):
     def _publish_diagnostics(self) -> None:
         values = {"upkeep_s": f"{self.last_upkeep_s:.4f}", "selections_held": str(len(self.after_call)),
                   "nice": str(self.nice),
-                  "enabled": str(self.stage.enabled), "time_available_s": f"{self.time_available_s:.3f}"}
+                  "enabled": str(self.stage.enabled), "time_available_s": f"{self.time_available_s:.3f}",
+                  "notes_of_other_tasks": str(self.stage.notes_of_other_tasks)}
         if self.stage.worker is not None:
             values |= self.stage.worker.diagnostics()
         if self.stage.gate is not None:   # what waiting for the gaps between calls cost the upkeep

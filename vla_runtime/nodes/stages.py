@@ -333,6 +333,8 @@ class CacheStage:
         self.working_set: RingBuffer | None = None
         self.gate: CallGate | None = None
         self.cfg = policy.engine.cfg
+        self.instruction: str | None = None   # the robot's current task, once an instruction was heard
+        self.notes_of_other_tasks = 0          # late notes dropped (diagnostics)
         repo = open_repository_meta(spec, policy)
         if repo is None:
             self.disabled_reason = "cache disabled in the profile" if not spec.enabled else "repository refused"
@@ -397,13 +399,26 @@ class CacheStage:
         # complete (or as complete as it will get: a task the repository lacks has no window)
         self.store.mark_window(window_state(task, episode, ready=True))
 
+    def instruct(self, task: str) -> None:
+        """The instruction the robot now follows (its task's episode is begun by the caller)."""
+        self.instruction = task
+
     def follow(self, selection: Selection) -> None:
         """What a call selected (its episode starts here if it was not announced ahead). A stall
-        restarts the window: the vision side's restarted first search waits for it again. A note
-        of an earlier episode of the current task is dropped: restarting that episode's window
-        would only have the next call start the current one a second time."""
+        restarts the window: the vision side's restarted first search waits for it again.
+
+        Two kinds of late note are dropped, because following them would restart an episode that
+        is over and have the next call start the current one a second time: a note of an earlier
+        episode of the current task (a call in flight at the reset), and a note of another task
+        than the current instruction (a call in flight when the instruction changed, released
+        after the robot was switched back). Without an instruction heard, every task's notes are
+        followed; a note of a new task arriving before its instruction is dropped, and the
+        instruction then begins the task's episode as it would anyway."""
         w = self.worker
         if w is None:
+            return
+        if self.instruction is not None and selection.task != self.instruction:
+            self.notes_of_other_tasks += 1
             return
         if selection.task == w.manager.task and w.episode is not None and selection.episode < w.episode:
             return   # a late note of an episode already over (a call in flight at the reset): not followed
