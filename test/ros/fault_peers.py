@@ -57,7 +57,7 @@ def scenario(spec: dict, nodes: dict) -> dict:
     from std_msgs.msg import Empty, String
     from trajectory_msgs.msg import JointTrajectory
 
-    from vla_runtime.msg import ActionChunk, PrefixRequest
+    from vla_runtime.msg import ActionChunk, PrefixRequest, ReferenceSelection
 
     rclpy.init()
     node = rclpy.create_node("test_robot")
@@ -100,6 +100,7 @@ def scenario(spec: dict, nodes: dict) -> dict:
     joints = node.create_publisher(JointState, "/joint_states", 10)
     instruction = node.create_publisher(String, "/instruction", 10)
     episode_start = node.create_publisher(Empty, "/vla_runtime/episode_start", 10)
+    selections = node.create_publisher(ReferenceSelection, "/vla_runtime/reference_selection", 10)
     images = {c: np.asarray(v, dtype=np.uint8) for c, v in spec["images"].items()}
     names = list(spec["joint_names"])
     state = [float(x) for x in spec["state"]]
@@ -251,6 +252,18 @@ def scenario(spec: dict, nodes: dict) -> dict:
                         timeout=2 * spec["timeout"])
     phase("episode_start", ok=prepared and served,
           started=n("cache manager", "episodes_started") - before)
+
+    # ---- 11c: a late selection of the task switched away from (a call in flight at the switch,
+    # as phase 11 can leave one): dropped, not followed (following it restarted that task's
+    # episode, then the next call restarted the current one)
+    before, dropped = n("cache manager", "episodes_started"), n("cache manager", "notes_of_other_tasks")
+    selections.publish(ReferenceSelection(request_seq=0, task=spec["other_task"], episode=0, found=False,
+                                          reason="a late note"))   # request 0: its chunk is out, due at once
+    ok = spin_until(lambda: n("cache manager", "notes_of_other_tasks") > dropped)
+    t = time.monotonic()
+    served = spin_until(lambda: chunk_after(t, "cached"), timeout=2 * spec["timeout"])
+    phase("late_note_of_another_task", ok=ok, served_after=served, task=d("cache manager", "task"),
+          instruction=spec["task"], started=n("cache manager", "episodes_started") - before)
 
     # ---- 12: parameters at run time (what `ros2 param set` does)
     def set_param(target: str, name: str, value) -> tuple[bool, str]:

@@ -86,6 +86,12 @@ def test_episode_start_is_prepared_by_the_cache_manager_ahead_of_the_first_query
     assert p["ok"] and p["started"] == 1, (p, report["logs"])    # 2 would mean the first query started it again
 
 
+def test_a_late_selection_of_a_task_switched_away_from_is_not_followed(report):
+    p = _phase(report, "late_note_of_another_task")
+    assert p["ok"] and p["served_after"] and p["started"] == 0, (p, report["logs"])
+    assert p["task"] == p["instruction"], p
+
+
 def test_parameters_are_validated_at_run_time(report):
     p = _phase(report, "parameters")
     assert p["out_of_range"][0] is False and "must be in (0, 600]" in p["out_of_range"][1], p
