@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from vla_runtime.nodes.late_ticks import LateTickWatch, runqueue_wait_ns, where_threads_are
+from vla_runtime.nodes.late_ticks import LateTickWatch, RunqueueClock, runqueue_wait_ns, where_threads_are
 
 HAS_SCHEDSTAT = os.path.exists(f"/proc/self/task/{threading.get_native_id()}/schedstat")
 
@@ -101,3 +101,36 @@ def test_a_note_gives_each_thread_its_wait_since_the_last_mark_and_is_kept() -> 
         assert "the tick thread waited" in str(late)
     else:
         assert late.own_wait_ms is None and text.startswith("other: ")
+
+
+def _open_files() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not HAS_SCHEDSTAT, reason="no per-thread schedstat: nothing is opened (checked above)")
+def test_the_clock_keeps_each_threads_file_open_drops_an_ended_thread_and_closes_on_request() -> None:
+    """Read after every tick, the clock opens each thread's schedstat once and re-reads it in
+    place: the same threads and no smaller values than a one-shot reading, one file per thread;
+    a thread that ended leaves the reading with its file, and ``close`` closes the rest."""
+    parked, release = threading.Event(), threading.Event()
+    other = threading.Thread(target=park, args=(parked, release), name="other")
+    other.start()
+    assert parked.wait(120.0)
+    clock, base = RunqueueClock(), _open_files()
+    try:
+        first = clock.read()
+        held = _open_files() - base
+        assert other.native_id in first and threading.get_native_id() in first
+        assert held == len(first)                                     # one file per thread, kept open
+        again, once = clock.read(), runqueue_wait_ns()
+        assert _open_files() - base == held                           # re-read in place: no new file
+        assert again.keys() == first.keys() == once.keys()
+        assert all(again[t] >= first[t] for t in first) and all(once[t] >= again[t] for t in again)
+        release.set()
+        other.join()
+        after = clock.read()
+        assert other.native_id not in after and _open_files() - base == held - 1
+    finally:
+        release.set()
+        clock.close()
+    assert _open_files() == base

@@ -11,7 +11,7 @@ two periods late with no call of its own to blame. Two causes look the same from
 So each late tick (``LateTickWatch.note``) keeps, for every Python thread of the process, where
 it was at that moment (``where_threads_are``: the thread that just handed the interpreter over
 is still at the line that held it) and how long it waited on a run queue since the tick before
-(``runqueue_wait_ns``, from the kernel's per-thread ``schedstat``). The tick thread's own wait
+(``RunqueueClock``, from the kernel's per-thread ``schedstat``). The tick thread's own wait
 says whether it got a CPU at all. Kept for the node's diagnostics and logged at most once a
 second; ``bench/control_tick.py`` puts each beside the long gap it caused.
 """
@@ -50,22 +50,61 @@ class LateTick:
         return f"{self.late_ms:.1f} ms late at monotonic {self.at_s:.3f} s{own}: " + " | ".join(self.threads)
 
 
-def runqueue_wait_ns() -> dict[int, int]:
+class RunqueueClock:
     """Per Python thread of this process (by native id), the nanoseconds it has spent runnable
-    but not running (``/proc/self/task/<tid>/schedstat``, second field). Empty off Linux."""
-    out = {}
-    for t in threading.enumerate():
-        if t.native_id is None:
-            continue
-        try:   # os.open/read: a buffered file object costs about twice as much (read every tick)
-            fd = os.open(f"/proc/self/task/{t.native_id}/schedstat", os.O_RDONLY)
+    but not running: the second field of the kernel's ``/proc/self/task/<tid>/schedstat``.
+
+    Read after every control tick, so each thread's file is opened once and re-read in place
+    (``pread``): with five threads a read took 9 µs against 37 µs opening and closing the files
+    each time. A thread that ended is dropped with its file; one whose native id was given to a
+    new thread gets the new thread's file. Empty off Linux (no such files)."""
+
+    def __init__(self) -> None:
+        self._open: dict[int, tuple[threading.Thread, int]] = {}   # native id -> (thread, fd)
+
+    def read(self) -> dict[int, int]:
+        out = {}
+        alive = set()
+        for t in threading.enumerate():
+            tid = t.native_id
+            if tid is None:
+                continue
+            alive.add(tid)
             try:
-                out[t.native_id] = int(os.read(fd, 256).split()[1])
-            finally:
-                os.close(fd)
-        except (OSError, ValueError, IndexError):
-            continue
-    return out
+                out[tid] = int(os.pread(self._fd(tid, t), 256, 0).split()[1])
+            except (OSError, ValueError, IndexError):
+                self._forget(tid)
+        for tid in [tid for tid in self._open if tid not in alive]:
+            self._forget(tid)
+        return out
+
+    def close(self) -> None:
+        """Close every file (a later ``read`` opens them again)."""
+        for tid in list(self._open):
+            self._forget(tid)
+
+    def _fd(self, tid: int, thread: threading.Thread) -> int:
+        held = self._open.get(tid)
+        if held is not None and held[0] is thread:
+            return held[1]
+        self._forget(tid)
+        fd = os.open(f"/proc/self/task/{tid}/schedstat", os.O_RDONLY)
+        self._open[tid] = (thread, fd)
+        return fd
+
+    def _forget(self, tid: int) -> None:
+        held = self._open.pop(tid, None)
+        if held is not None:
+            os.close(held[1])
+
+
+def runqueue_wait_ns() -> dict[int, int]:
+    """One ``RunqueueClock`` reading, its files closed again (for a caller reading once)."""
+    clock = RunqueueClock()
+    try:
+        return clock.read()
+    finally:
+        clock.close()
 
 
 Where = tuple[int | None, str, str]   # (native thread id, name, where it is)
@@ -124,9 +163,14 @@ class LateTickWatch:
         self.count = 0
         self._waits: dict[int, int] = {}
         self._last_log_ns: int | None = None
+        self._clock = RunqueueClock()
 
     def mark(self) -> None:
-        self._waits = runqueue_wait_ns()
+        self._waits = self._clock.read()
+
+    def close(self) -> None:
+        """Close the schedstat files (by the thread that marks: the next ``mark`` reopens them)."""
+        self._clock.close()
 
     @staticmethod
     def where() -> list[Where]:
@@ -136,7 +180,7 @@ class LateTickWatch:
     def note(self, now_ns: int, late_ns: int, where: list[Where]) -> LateTick:
         """Keep (and at most once a second log) a tick that started ``late_ns`` late at ``now_ns``,
         with ``where`` the threads were then and each one's run-queue wait since the last mark."""
-        now = runqueue_wait_ns()
+        now = self._clock.read()
         waited = {tid: (ns - self._waits[tid]) * 1e-6 for tid, ns in now.items() if tid in self._waits}
         threads = []
         for tid, name, at in sorted(where, key=lambda w: w[1]):

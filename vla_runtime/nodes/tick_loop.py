@@ -107,6 +107,12 @@ class TickLoop:
         if self.priority_problem:
             log.warning("control tick at ordinary priority: %s; ticks may start late on a loaded machine",
                         self.priority_problem)
+        try:
+            self._loop()
+        finally:
+            self.late.close()   # here, not in stop(): only this thread reads the files
+
+    def _loop(self) -> None:
         deadline = self.clock() + self.period_ns
         while True:
             remaining = (deadline - self.clock()) * 1e-9
