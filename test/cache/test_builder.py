@@ -276,14 +276,23 @@ def test_rho_n_outside_0_1_is_refused_with_its_value(rho_n):
 
 
 def test_build_config_bounds_and_defaults():
-    cfg = BuildConfig(rho_n=1.0, history_len=1)
+    cfg = BuildConfig(rho_n=1.0, groups=((0, 5), (5, 10)), history_len=1)
     assert cfg.validate(10) is cfg                                  # both bounds are inside
     with pytest.raises(ValueError, match=r"^history_len must be >= 1$"):
         BuildConfig(history_len=0).validate(10)
     with pytest.raises(ValueError, match=r"mask groups \(\(0, 5\), \(5, 10\)\) must tile the 12 denoising steps"):
-        BuildConfig().validate(12)                                  # the groups are checked against num_steps
-    assert BuildConfig() == BuildConfig(rho_n=0.5, groups=((0, 5), (5, 10)), history_len=4, noise_seed=0,
-                                        skip_failed=True)
+        BuildConfig(groups=((0, 5), (5, 10))).validate(12)          # given groups are checked against num_steps
+    assert BuildConfig() == BuildConfig(rho_n=0.5, groups=None, history_len=4, noise_seed=0, skip_failed=True)
+
+
+@pytest.mark.parametrize("num_steps, groups", [(10, ((0, 5), (5, 10))), (12, ((0, 6), (6, 12))), (5, ((0, 3), (3, 5)))])
+def test_unset_groups_are_two_even_groups_over_the_models_steps(num_steps, groups):
+    """A library caller building for a model of another step count than pi0.5's ten gets rMuscle's
+    two groups over its steps, not a validation error about groups it never chose; the build and
+    cache configs resolve them alike, so a repository's masks match the engine's groups."""
+    assert BuildConfig().validate(num_steps).groups == groups
+    assert CacheConfig().validate(num_steps).groups == groups
+    assert BuildConfig(groups=((0, 1), (1, num_steps))).validate(num_steps).groups == ((0, 1), (1, num_steps))
 
 
 def test_model_summary_names_the_architecture(policy):

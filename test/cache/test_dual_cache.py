@@ -31,7 +31,7 @@ def _entry(model: Pi05Model, x: ModelInputs, rho_n: float, seed: int = 0) -> Pre
     with torch.no_grad():
         model.prefill(prefix)
         noise = torch.randn(1, cfg.chunk_size, cfg.action_dim, generator=torch.Generator().manual_seed(seed))
-        entry.masks = profile_masks(model, prefix, noise, CacheConfig().groups, rho_n)
+        entry.masks = profile_masks(model, prefix, noise, CacheConfig().validate(cfg.num_steps).groups, rho_n)
     return entry
 
 

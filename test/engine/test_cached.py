@@ -12,6 +12,7 @@ the dense engine, which test/engine/test_dense.py and the LeRobot parity oracle 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -93,15 +94,12 @@ def plain_cached(model: Pi05Model, x: ModelInputs, noise: Tensor, entry: Prepare
     image_tokens, _ = model.embed_images(x.images)
     prefix = model.build_prefix(image_tokens, x.image_mask, x.tokens, x.token_mask)
     model.prefill(prefix, ffn=PlainContext(entry, cache.rho_p) if cache.context_cache else None)
-    return model.denoise(prefix, noise, ffn=PlainAction(entry.masks, cache.groups) if cache.action_cache else None)
+    return model.denoise(prefix, noise, ffn=PlainAction(entry.masks, cache.validate(model.cfg.num_steps).groups) if cache.action_cache else None)
 
 
-@pytest.fixture(scope="module")
-def setup():
-    # std 0.1 instead of init_random_'s 0.02: with larger weights the FFNs carry a larger share of
-    # the residual stream, so what the caches skip moves the actions well above float rounding
-    # (with 0.02 a wrong mask moves them by ~1e-5 relative only).
-    model = init_random_(Pi05Model(preset("pi05-tiny")), seed=7, std=0.1)
+def _scene(model: Pi05Model, groups) -> tuple[ModelInputs, Tensor, PreparedEntry]:
+    """A current call (the reference's images jittered), its noise, and the reference's entry
+    with masks profiled over ``groups`` on another noise draw."""
     cfg = model.cfg
     ref = random_inputs(cfg, 1)
     cur = random_inputs(cfg, 2, base=ref.images, jitter=0.3)
@@ -114,7 +112,17 @@ def setup():
         prefix = model.build_prefix(image_tokens, ref.image_mask, ref.tokens, ref.token_mask)
         model.prefill(prefix)
         ref_noise = torch.randn(1, cfg.chunk_size, cfg.action_dim, generator=torch.Generator().manual_seed(0))
-        entry.masks = profile_masks(model, prefix, ref_noise, CacheConfig().groups, 0.5)
+        entry.masks = profile_masks(model, prefix, ref_noise, groups, 0.5)
+    return cur, noise, entry
+
+
+@pytest.fixture(scope="module")
+def setup():
+    # std 0.1 instead of init_random_'s 0.02: with larger weights the FFNs carry a larger share of
+    # the residual stream, so what the caches skip moves the actions well above float rounding
+    # (with 0.02 a wrong mask moves them by ~1e-5 relative only).
+    model = init_random_(Pi05Model(preset("pi05-tiny")), seed=7, std=0.1)
+    cur, noise, entry = _scene(model, CacheConfig().validate(model.cfg.num_steps).groups)
     return model, cur, noise, entry
 
 
@@ -162,3 +170,17 @@ def test_per_layer_masks_differ_in_the_profiled_entry(setup):
     for g in range(m.shape[0]):
         assert not torch.equal(m[g, 0], m[g, 1])
     assert not torch.equal(m[0, 0], m[1, 0])
+
+
+def test_a_model_of_another_step_count_gets_two_groups_over_its_steps_by_default():
+    """``CacheConfig()`` leaves the groups to the model: on a 6-step model the engine anchors at
+    steps 0 and 3 and follows the plain formulas there, where a fixed pi0.5 tiling (0-5, 5-10)
+    would be refused for not tiling six steps."""
+    model = init_random_(Pi05Model(replace(preset("pi05-tiny"), num_steps=6)), seed=7, std=0.1)
+    engine = CachedEngine(model, CacheConfig(rho_p=0.4, rho_n=0.5))
+    assert engine.cache.groups == ((0, 3), (3, 6))
+    cur, noise, entry = _scene(model, ((0, 3), (3, 6)))
+    got = engine.infer(cur, noise=noise, select=lambda f, i: entry).actions
+    want = plain_cached(model, cur, noise, entry, CacheConfig(rho_p=0.4, rho_n=0.5, groups=((0, 3), (3, 6))))
+    dense = DenseEngine(model).infer(cur, noise=noise).actions
+    torch.testing.assert_close(got, want, atol=_tolerance(model, dense), rtol=0)

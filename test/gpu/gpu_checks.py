@@ -451,7 +451,7 @@ def latency_for_cameras(model, dense, cached, cams: int, plan: Plan, kernel_ok: 
     cfg = model.cfg
     ref = synthetic_inputs(cfg, cams, 64, seed=100 + cams)
     cur = nearby(ref, seed=200 + cams)
-    entry = prepare_reference(model, ref, cached.cache.rho_n, CacheConfig().groups)
+    entry = prepare_reference(model, ref, cached.cache.rho_n, cached.cache.groups)
     noise = dense.make_noise(1, torch.Generator().manual_seed(cams))
     select = lambda features, inputs: entry  # noqa: E731
     row: dict[str, Any] = {"cameras": cams, "prefix_tokens": cams * cfg.num_image_tokens + min(64, cfg.max_token_len)}

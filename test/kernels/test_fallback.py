@@ -268,7 +268,7 @@ def test_cached_engine_actions_are_unchanged_by_the_kernel_dispatch(monkeypatch)
     noise = torch.randn(1, cfg.chunk_size, cfg.action_dim, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         model.prefill(prefix)
-        entry.masks = profile_masks(model, prefix, noise, CacheConfig().groups, 0.5)
+        entry.masks = profile_masks(model, prefix, noise, CacheConfig().validate(cfg.num_steps).groups, 0.5)
     engine = CachedEngine(model, CacheConfig(rho_p=0.4, rho_n=0.5))
     new = engine.infer(cur, noise=noise, select=lambda f, i: entry).actions
 

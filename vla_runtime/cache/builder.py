@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -33,7 +33,7 @@ from .entry import PreparedEntry, reconstruct_entry
 from .half_profile import TimingCase, time_halves
 from .halves import DEFAULT_RHO_N, DEFAULT_RHO_P, HalfTiming
 from .manager import model_images_to_stored
-from .masks import DEFAULT_GROUPS, ContributionRecorder, Groups, group_masks, validate_groups
+from .masks import ContributionRecorder, Groups, even_groups, group_masks, validate_groups
 from .repository import ReferenceCall, ReferenceRepository, RepositoryMeta
 from .retrieval import CandidateMatrix, RetrievalConfig, Retriever, TaskPacks
 
@@ -49,16 +49,19 @@ DEFAULT_GRID: tuple[tuple[float, float], ...] = ((0.2, 0.25), (0.4, 0.5), (0.6, 
 @dataclass(frozen=True)
 class BuildConfig:
     rho_n: float = DEFAULT_RHO_N
-    groups: Groups = DEFAULT_GROUPS
+    groups: Groups | None = None   # None: rMuscle's two even groups over the model's steps (``validate``)
     history_len: int = 4
     noise_seed: int = 0
     skip_failed: bool = True  # episodes whose outcome says "failure" are not references
 
     def validate(self, num_steps: int) -> "BuildConfig":
+        """This config for a model of ``num_steps`` denoising steps, its groups resolved."""
         if not 0.0 < self.rho_n <= 1.0:
             raise ValueError(f"rho_n must be in (0, 1], got {self.rho_n}")
         if self.history_len < 1:
             raise ValueError("history_len must be >= 1")
+        if self.groups is None:
+            return replace(self, groups=even_groups(num_steps))
         validate_groups(self.groups, num_steps)
         return self
 

@@ -7,7 +7,7 @@ dense engine.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -16,7 +16,7 @@ from ..cache.action_cache import ActionCache, ActionCacheBuffers
 from ..cache.context_cache import ContextCache
 from ..cache.entry import PreparedEntry
 from ..cache.halves import DEFAULT_RHO_N, DEFAULT_RHO_P
-from ..cache.masks import DEFAULT_GROUPS, Groups, validate_groups
+from ..cache.masks import Groups, even_groups, validate_groups
 from ..models.gemma import DenoiseFFN, PrefillFFN
 from ..models.pi05 import Pi05Model
 from .dense import DenseEngine, ModelInputs, StaticFFN, _no_ffn
@@ -26,7 +26,8 @@ from .dense import DenseEngine, ModelInputs, StaticFFN, _no_ffn
 class CacheConfig:
     rho_p: float = DEFAULT_RHO_P          # fraction of visual tokens recomputed per VLM layer
     rho_n: float = DEFAULT_RHO_N          # fraction of expert MLP neurons computed at non-anchor steps
-    groups: Groups = DEFAULT_GROUPS       # denoising step groups; each group's first step is a dense anchor
+    groups: Groups | None = None          # denoising step groups, each opened by a dense anchor step;
+                                          # None: rMuscle's two even groups over the model's steps
     context_cache: bool = True
     action_cache: bool = True
     reason: str = ""                      # why these halves run (the profile's auto/on/off, resolved at start-up)
@@ -37,8 +38,11 @@ class CacheConfig:
         return not (self.context_cache or self.action_cache)
 
     def validate(self, num_steps: int) -> "CacheConfig":
+        """This config for a model of ``num_steps`` denoising steps, its groups resolved."""
         if not 0.0 < self.rho_p <= 1.0 or not 0.0 < self.rho_n <= 1.0:
             raise ValueError(f"rho_p and rho_n must be in (0, 1], got {self.rho_p}, {self.rho_n}")
+        if self.groups is None:
+            return replace(self, groups=even_groups(num_steps))
         validate_groups(self.groups, num_steps)
         return self
 

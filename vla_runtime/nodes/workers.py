@@ -57,7 +57,8 @@ class PrefixSlotSpec:
         entry before the policy denoises: the vision process runs calls ahead of it)."""
         masks = None
         if cache is not None and cache.action_cache:
-            masks = (len(cache.groups), cfg.expert.depth, cache.mask_size(cfg.expert.mlp_dim))
+            groups = cache.validate(cfg.num_steps).groups
+            masks = (len(groups), cfg.expert.depth, cache.mask_size(cfg.expert.mlp_dim))
         return PrefixSlotSpec(cfg.vlm.depth, cfg.vlm.num_kv_heads, cfg.max_prefix_len, cfg.vlm.head_dim,
                               cfg.num_cameras * cfg.num_image_tokens, cfg.vision.width, dtype, masks)
 
