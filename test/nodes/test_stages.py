@@ -250,3 +250,24 @@ def test_a_call_is_in_progress_from_its_encoding_to_its_denoising_and_the_upkeep
         with pytest.raises(ValueError, match="no camera image"):        # refused after the call began
             p.vision.encode(p.numbering.request(np.asarray(frames[1].state), task, 0), {})
         assert not read_call_words(name).in_flight
+
+
+def test_the_vision_stages_idle_work_waits_while_its_call_is_being_denoised(demo):
+    """Between calls the vision stage takes in the window's changes and reads its features
+    (``WindowSelector.idle``); while the call it encoded is still with the policy it does
+    neither, so the policy's denoising has the machine's other core to itself."""
+    frames, task = demo["episode"].frames, demo["episode"].task
+    with _cached_pipeline(demo, "idle") as p:
+        p.start_episode(task)
+        idled: list[bool] = []
+        idle = p.vision.selector.idle
+        p.vision.selector.idle = lambda: (idled.append(True), idle())
+        p.vision.idle()
+        assert len(idled) == 1                                      # no call in progress
+        note = p.vision.encode(p.numbering.request(np.asarray(frames[0].state), task, 0), frames[0].images)
+        p.vision.idle()
+        p.vision.idle()
+        assert len(idled) == 1                                      # the call is with the policy
+        assert p.policy.act(note) is not None
+        p.vision.idle()
+        assert len(idled) == 2                                      # denoised: the gap's work runs again

@@ -648,6 +648,14 @@ class RingBuffer:
         self._fence()
         self._w[C.W_CALL_BEGUN] = self._next_seq + 1
 
+    def call_words(self) -> CallWords:
+        """The call gate as this mapping holds it now (``read_call_words`` for a process that has
+        the ring attached or owns it: no file read)."""
+        self._check_open()
+        w = self._w
+        return CallWords(int(w[C.W_CALL_BEGUN]), int(w[C.W_CALL_BEGUN_NS]), int(w[C.W_CALL_DONE]),
+                         int(w[C.W_CALL_DONE_NS]))
+
     def call_abandoned(self) -> None:
         """The call ``call_begun`` announced commits nothing (its encoding failed): the newest call
         begun is the last committed one again, which a reader may still be finishing."""

@@ -306,8 +306,12 @@ class VisionStage:
         self.prefix.heartbeat()
 
     def idle(self) -> None:
-        """Work that can wait for a gap between calls (``WindowSelector.idle``); none without the cache."""
-        if self.selector is not None:
+        """Work that can wait for a gap between calls (``WindowSelector.idle``); none without the
+        cache, and none while the call this stage encoded is still being denoised (the prefix
+        ring's call words): the idle work reads the window's features, and on a 2-core computer
+        that slows the policy's denoising on the other core (docs/cache.md). A call whose policy
+        never finishes it leaves the idle work to the next call's own ``refresh``."""
+        if self.selector is not None and not self.prefix.call_words().in_flight:
             self.selector.idle()
 
     def close(self) -> None:
