@@ -94,7 +94,8 @@ def plain_cached(model: Pi05Model, x: ModelInputs, noise: Tensor, entry: Prepare
     image_tokens, _ = model.embed_images(x.images)
     prefix = model.build_prefix(image_tokens, x.image_mask, x.tokens, x.token_mask)
     model.prefill(prefix, ffn=PlainContext(entry, cache.rho_p) if cache.context_cache else None)
-    return model.denoise(prefix, noise, ffn=PlainAction(entry.masks, cache.validate(model.cfg.num_steps).groups) if cache.action_cache else None)
+    groups = cache.validate(model.cfg.num_steps).groups
+    return model.denoise(prefix, noise, ffn=PlainAction(entry.masks, groups) if cache.action_cache else None)
 
 
 def _scene(model: Pi05Model, groups) -> tuple[ModelInputs, Tensor, PreparedEntry]:

@@ -48,7 +48,8 @@ def _entry(model: Pi05Model, x: ModelInputs, seed: int) -> PreparedEntry:
     prefix = model.build_prefix(image_tokens, x.image_mask, x.tokens, x.token_mask)
     with torch.no_grad():
         model.prefill(prefix)
-        entry.masks = profile_masks(model, prefix, _noise(model.cfg, seed), CacheConfig().validate(model.cfg.num_steps).groups, 0.5)
+        groups = CacheConfig().validate(model.cfg.num_steps).groups
+        entry.masks = profile_masks(model, prefix, _noise(model.cfg, seed), groups, 0.5)
     return entry
 
 

@@ -33,7 +33,7 @@ from .entry import PreparedEntry, reconstruct_entry
 from .half_profile import TimingCase, time_halves
 from .halves import DEFAULT_RHO_N, DEFAULT_RHO_P, HalfTiming
 from .manager import model_images_to_stored
-from .masks import ContributionRecorder, Groups, even_groups, group_masks, validate_groups
+from .masks import ContributionRecorder, Groups, group_masks, resolve_groups
 from .repository import ReferenceCall, ReferenceRepository, RepositoryMeta
 from .retrieval import CandidateMatrix, RetrievalConfig, Retriever, TaskPacks
 
@@ -60,10 +60,8 @@ class BuildConfig:
             raise ValueError(f"rho_n must be in (0, 1], got {self.rho_n}")
         if self.history_len < 1:
             raise ValueError("history_len must be >= 1")
-        if self.groups is None:
-            return replace(self, groups=even_groups(num_steps))
-        validate_groups(self.groups, num_steps)
-        return self
+        groups = resolve_groups(self.groups, num_steps)
+        return self if self.groups is not None else replace(self, groups=groups)
 
 
 def model_summary(cfg: Pi05Config) -> dict:

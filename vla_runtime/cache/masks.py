@@ -43,6 +43,12 @@ def even_groups(num_steps: int, count: int | None = None) -> Groups:
     return tuple(zip(bounds[:-1], bounds[1:]))
 
 
+def resolve_groups(groups: Groups | None, num_steps: int) -> Groups:
+    """Groups a config holds, for a model of ``num_steps`` steps: checked (``validate_groups``),
+    or, left unset (None), rMuscle's ``DEFAULT_GROUP_COUNT`` even groups over those steps."""
+    return even_groups(num_steps) if groups is None else validate_groups(groups, num_steps)
+
+
 def validate_groups(groups: Groups, num_steps: int) -> Groups:
     """Groups must tile [0, num_steps) in order; each one's first step is its dense anchor."""
     groups = tuple((int(a), int(b)) for a, b in groups)

@@ -16,7 +16,7 @@ from ..cache.action_cache import ActionCache, ActionCacheBuffers
 from ..cache.context_cache import ContextCache
 from ..cache.entry import PreparedEntry
 from ..cache.halves import DEFAULT_RHO_N, DEFAULT_RHO_P
-from ..cache.masks import Groups, even_groups, validate_groups
+from ..cache.masks import Groups, resolve_groups
 from ..models.gemma import DenoiseFFN, PrefillFFN
 from ..models.pi05 import Pi05Model
 from .dense import DenseEngine, ModelInputs, StaticFFN, _no_ffn
@@ -41,10 +41,8 @@ class CacheConfig:
         """This config for a model of ``num_steps`` denoising steps, its groups resolved."""
         if not 0.0 < self.rho_p <= 1.0 or not 0.0 < self.rho_n <= 1.0:
             raise ValueError(f"rho_p and rho_n must be in (0, 1], got {self.rho_p}, {self.rho_n}")
-        if self.groups is None:
-            return replace(self, groups=even_groups(num_steps))
-        validate_groups(self.groups, num_steps)
-        return self
+        groups = resolve_groups(self.groups, num_steps)
+        return self if self.groups is not None else replace(self, groups=groups)
 
     def mask_size(self, mlp_dim: int) -> int:
         import math

@@ -309,6 +309,12 @@ class CallWords:
     done: int         # 1 + the newest sequence a reader finished a call with (0: none)
     done_ns: int
 
+    @classmethod
+    def of(cls, words: np.ndarray) -> "CallWords":
+        """The gate's four words out of a ring's control words (mapped or read from the file)."""
+        return cls(int(words[C.W_CALL_BEGUN]), int(words[C.W_CALL_BEGUN_NS]), int(words[C.W_CALL_DONE]),
+                   int(words[C.W_CALL_DONE_NS]))
+
     @property
     def in_flight(self) -> bool:
         """A call was begun and no reader has finished it (nor a later one) yet."""
@@ -330,7 +336,7 @@ def read_call_words(name: str) -> CallWords | None:
     w = _pread_control_words(name)
     if w is None:
         return None
-    return CallWords(int(w[C.W_CALL_BEGUN]), int(w[C.W_CALL_BEGUN_NS]), int(w[C.W_CALL_DONE]), int(w[C.W_CALL_DONE_NS]))
+    return CallWords.of(w)
 
 
 def _read_word(buf: Any, index: int) -> int:
@@ -652,9 +658,7 @@ class RingBuffer:
         """The call gate as this mapping holds it now (``read_call_words`` for a process that has
         the ring attached or owns it: no file read)."""
         self._check_open()
-        w = self._w
-        return CallWords(int(w[C.W_CALL_BEGUN]), int(w[C.W_CALL_BEGUN_NS]), int(w[C.W_CALL_DONE]),
-                         int(w[C.W_CALL_DONE_NS]))
+        return CallWords.of(self._w)
 
     def call_abandoned(self) -> None:
         """The call ``call_begun`` announced commits nothing (its encoding failed): the newest call
