@@ -148,3 +148,17 @@ def test_a_timing_with_intervals_round_trips_and_a_disordered_one_is_refused():
     d["context_cache"]["ratio_high"] = None
     with pytest.raises(ValueError, match=r"both bounds or neither"):
         HalfTiming.from_dict(d)
+
+
+def test_the_saving_is_what_autos_running_halves_save_and_only_when_auto_chose_them_all():
+    # dense 10 ms per phase: 2.0x saves 5 ms, 1.25x saves 2 ms
+    r = resolve_halves("auto", "auto", timing(context_speedup=2.0, action_speedup=1.25))
+    assert r.saving_s == pytest.approx(7e-3)
+    only_context = resolve_halves("auto", "auto", timing(context_speedup=2.0, action_speedup=0.8))
+    assert only_context.saving_s == pytest.approx(5e-3)
+    # a half forced on, a timing missing, or nothing running: nothing to weigh
+    assert resolve_halves("on", "auto", timing(2.0, 1.25)).saving_s is None
+    assert resolve_halves("auto", "auto", None).saving_s is None
+    assert resolve_halves("auto", "auto", timing(0.8, 0.9)).saving_s is None
+    # a half forced off leaves the other's saving
+    assert resolve_halves("off", "auto", timing(2.0, 1.25)).saving_s == pytest.approx(2e-3)

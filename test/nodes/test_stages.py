@@ -26,13 +26,15 @@ CAMS = ("top", "wrist")
 
 
 def _timed_repository(demo: dict, root: Path, context_speedup: float, action_speedup: float,
-                      rho_p: float = 0.4) -> Path:
+                      rho_p: float = 0.4, dense_s: tuple[float, float] = (0.010, 0.020)) -> Path:
     """A copy of the demo repository recording that each half ran at the given speed-up, the
-    Context Cache at ``rho_p`` (what build-cache --profile records: the fraction it suggests)."""
-    out = root / f"repo_{context_speedup}_{action_speedup}_{rho_p}"
+    Context Cache at ``rho_p`` (what build-cache --profile records: the fraction it suggests), from
+    the dense prefill and denoise times ``dense_s``."""
+    out = root / f"repo_{context_speedup}_{action_speedup}_{rho_p}_{dense_s[0]}_{dense_s[1]}"
     shutil.copytree(demo["repo"], out)
+    prefill, denoise = dense_s
     ReferenceRepository.open(out).record_half_timing(HalfTiming(
-        PhaseTiming(0.010, 0.010 / context_speedup, 4), PhaseTiming(0.020, 0.020 / action_speedup, 4),
+        PhaseTiming(prefill, prefill / context_speedup, 4), PhaseTiming(denoise, denoise / action_speedup, 4),
         device="cpu", threads=1, dtype="float32", rho_p=rho_p, rho_n=0.5, calls=2, repeats=2))
     return out
 
@@ -83,6 +85,47 @@ def test_without_a_recorded_timing_auto_runs_both_halves_and_says_so(demo):
     assert (forced.context_cache, forced.action_cache) == (False, True)
 
 
+def test_auto_runs_dense_once_choosing_a_reference_costs_more_than_its_halves_save(demo, tmp_path, caplog):
+    """Both halves timed faster than dense by about a microsecond a call: after the calls the
+    profile gives the check (2), the vision stage has measured that choosing a reference costs
+    more, says so and runs every later call dense, choosing nothing. The same halves forced on are
+    never second-guessed."""
+    repo = _timed_repository(demo, tmp_path, context_speedup=1.0001, action_speedup=1.0001)
+    cache = CacheSpec(enabled=True, repository=str(repo), selection_check_calls=2, max_end_matches=0)
+    rings = RingNames(f"t{os.getpid()}_budget_p", f"t{os.getpid()}_budget_w")
+    with caplog.at_level(logging.WARNING, logger="vla_runtime.nodes.stages"), \
+            LocalPipeline(PipelineSpec(Path(demo["checkpoint"]), CAMS, cache, rings=rings, seed=3,
+                                       time_available_s=10.0)) as pipeline:
+        assert pipeline.vision.budget is not None and "weighed against what choosing a reference costs over the " \
+            "first 2 calls" in pipeline.vision.cache_reason
+        results = _cycled_calls(pipeline, demo, 6)
+        stage = pipeline.vision
+        assert stage.budget.keep is False and stage.selector is None and stage.beside is None
+        assert "off for the rest of the run (auto): choosing a reference cost" in stage.cache_reason
+        assert pipeline.last_choice is not None and not pipeline.last_choice.found   # reported dense, and why
+        assert pipeline.last_choice.reason.startswith("cache off for the rest of the run (auto): choosing")
+    assert not any(r.cached for r in results[2:])
+    assert any("muscle-memory cache off for the rest of the run (auto): choosing a reference cost" in r.message
+               for r in caplog.records)
+    forced = replace(cache, context_cache="on", action_cache="on")
+    rings = RingNames(f"t{os.getpid()}_forced_p", f"t{os.getpid()}_forced_w")
+    with LocalPipeline(PipelineSpec(Path(demo["checkpoint"]), CAMS, forced, rings=rings, seed=3,
+                                    time_available_s=10.0)) as pipeline:
+        assert pipeline.vision.budget is None
+        assert any(r.cached for r in _cycled_calls(pipeline, demo, 6)[2:])
+
+
+def test_auto_keeps_the_cache_where_its_halves_save_more_than_choosing_costs(demo, tmp_path):
+    repo = _timed_repository(demo, tmp_path, context_speedup=2.0, action_speedup=2.0, dense_s=(10.0, 10.0))
+    cache = CacheSpec(enabled=True, repository=str(repo), selection_check_calls=2, max_end_matches=0)
+    rings = RingNames(f"t{os.getpid()}_keep_p", f"t{os.getpid()}_keep_w")
+    with LocalPipeline(PipelineSpec(Path(demo["checkpoint"]), CAMS, cache, rings=rings, seed=3,
+                                    time_available_s=10.0)) as pipeline:
+        results = _cycled_calls(pipeline, demo, 6)
+        assert pipeline.vision.budget.keep is True and pipeline.vision.selector is not None
+    assert any(r.cached for r in results[2:])
+
+
 def test_a_profile_without_rho_p_runs_the_fraction_the_repository_was_profiled_at(demo, tmp_path, caplog, oracle_for):
     """``cache.rho_p`` unset: the stages take the fraction ``build-cache --profile`` timed the halves
     at, say so at start-up, and the vision stage's Context Cache runs it; its cached calls agree
@@ -130,6 +173,14 @@ def _say_who_chooses(stage, chooser: list[str], entered: threading.Event | None 
         return choose(*args)
 
     stage.selector.choose = choose_and_say
+
+
+def _cycled_calls(pipeline: LocalPipeline, demo: dict, n: int) -> list:
+    """``n`` calls of one episode cycling through the demo episode's frames (it has only a few)."""
+    pipeline.start_episode(demo["episode"].task)
+    frames = demo["episode"].frames
+    return [pipeline.call(frames[i % len(frames)].images, np.asarray(frames[i % len(frames)].state),
+                          demo["episode"].task) for i in range(n)]
 
 
 def _episode_calls(pipeline: LocalPipeline, demo: dict) -> list:

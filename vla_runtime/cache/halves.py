@@ -201,6 +201,11 @@ class ResolvedHalves:
     context_cache: bool
     action_cache: bool
     reason: str
+    # What the running halves save a call by the recorded timing (seconds: each one's dense minus
+    # cached median), where ``auto`` chose every half that runs; None where a half is forced on,
+    # unmeasured, or none runs. The vision stage weighs it against what choosing a reference
+    # costs the call (``selection_budget.SelectionBudget``), which the halves' timing does not see.
+    saving_s: float | None = None
 
     @property
     def dense(self) -> bool:
@@ -248,4 +253,8 @@ def resolve_halves(context_cache: str, action_cache: str, timing: HalfTiming | N
             reason += f" [the profile runs rho_p {rho_p:g}, the Context Cache was timed at {timing.rho_p:g}]"
     if not (run["context_cache"] or run["action_cache"]):
         reason = "both halves off, the cache is effectively dense: " + reason
-    return ResolvedHalves(run["context_cache"], run["action_cache"], reason)
+    running = [h for h in HALVES if run[h]]
+    saving_s = None
+    if timing is not None and running and all(settings[h] == "auto" for h in running):
+        saving_s = sum(getattr(timing, h).dense_s - getattr(timing, h).cached_s for h in running)
+    return ResolvedHalves(run["context_cache"], run["action_cache"], reason, saving_s)

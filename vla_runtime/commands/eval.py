@@ -354,8 +354,12 @@ def build_reference_repository(spec: EvalSpec, log: Callable[[str], None],
                   "profile": summary.profile, "ratios_from": source}
 
 
+SELECTION_CHECK_CALLS = CacheSpec.selection_check_calls   # the pipelines' (eval leaves the profile's default)
+
+
 def _halves_dict(halves: ResolvedHalves) -> dict[str, Any]:
-    return {"context_cache": halves.context_cache, "action_cache": halves.action_cache, "reason": halves.reason}
+    return {"context_cache": halves.context_cache, "action_cache": halves.action_cache, "reason": halves.reason,
+            "saving_s": halves.saving_s}
 
 
 def auto_choice(spec: EvalSpec, repository: Path, rho_p: float, built: bool, log: Callable[[str], None],
@@ -379,6 +383,10 @@ def auto_choice(spec: EvalSpec, repository: Path, rho_p: float, built: bool, log
         recorded = built
     halves = resolve_halves(AUTO, AUTO, timing, rho_p)
     log(f"auto would run: {halves.reason}")
+    if halves.saving_s is not None:
+        log(f"auto's halves save {1e3 * halves.saving_s:.2f} ms a call by that timing; a pipeline started with auto "
+            f"runs dense after its first {SELECTION_CHECK_CALLS} calls if choosing a reference cost them "
+            "more (cache.selection_check_calls)")
     runtime = halves if recorded else resolve_halves(AUTO, AUTO, None, rho_p)
     return {**_halves_dict(halves), "half_timing": timing.as_dict(), "timing_source": source}, runtime
 
@@ -701,8 +709,8 @@ def reading(report: dict[str, Any]) -> str:
         select = cp.get("select", 0.0)
         text = (f"The cache shortens only the prefill and the denoising, {_ms(shortened)} of a dense call "
                 f"({shortened / d['mean_call_s']:.0%}); it {'saved' if saved >= 0 else 'added'} "
-                f"{_ms(abs(saved))} there, and choosing the reference holds every call up {_ms(select)} after "
-                "the vision tower")
+                f"{_ms(abs(saved))} there, and choosing the reference holds a call that chooses one up {_ms(select)} "
+                "after the vision tower")
         repo = report.get("repository", {})
         point = next((p for p in repo.get("profile") or [] if (p["rho_p"], p["rho_n"]) ==
                       (repo.get("rho_p"), repo.get("rho_n"))), None)

@@ -31,6 +31,8 @@ class CacheConfig:
     context_cache: bool = True
     action_cache: bool = True
     reason: str = ""                      # why these halves run (the profile's auto/on/off, resolved at start-up)
+    saving_s: float | None = None         # what auto's halves save a call by the recorded timing
+                                          # (ResolvedHalves.saving_s; the vision stage's selection check)
 
     @property
     def dense(self) -> bool:

@@ -122,6 +122,10 @@ class CacheSpec:
     #                                   than any reference's first scene is to the others (retrieval.first_call_floors)
     max_end_matches: int = 3     # an episode matching references' last calls more often runs dense (0: no limit)
     first_search_wait_s: float = 1.0   # an episode's first search waits at most this long for its initial window
+    # auto only: after this many calls the vision stage compares what choosing a reference cost them
+    # (median) with what the auto-chosen halves save, and runs the rest dense if choosing costs more
+    # (cache.selection_budget); 0: never check
+    selection_check_calls: int = 50
 
     def __post_init__(self) -> None:
         # one spelling from here on ("auto" | "on" | "off"); anything else is refused naming the key
@@ -272,6 +276,9 @@ class RobotProfile:
         w = c.first_search_wait_s
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not (math.isfinite(w) and w >= 0):
             raise bad("cache.first_search_wait_s", f"must be a number of seconds >= 0, got {w!r}")
+        n = c.selection_check_calls
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise bad("cache.selection_check_calls", f"must be an integer >= 0 (0: never check), got {n!r}")
         if c.enabled and c.context_cache == c.action_cache == "off":
             raise bad("cache", "enabled with both context_cache and action_cache off: set enabled: false instead")
         ds = self.dataset

@@ -28,6 +28,7 @@ from ..cache.halves import choose_rho_p, resolve_halves
 from ..cache.manager import CacheManager, ManagerConfig
 from ..cache.repository import ReferenceRepository, RepositoryError
 from ..cache.retrieval import RetrievalConfig, fallback_rule, first_call_floors
+from ..cache.selection_budget import SelectionBudget
 from ..cache.selector import Selection
 from ..cache.window import WindowConfig
 from ..engine.cached import CacheConfig
@@ -133,9 +134,13 @@ def cache_config(spec: CacheSpec, repo: ReferenceRepository | None) -> CacheConf
     rho_p, rho_p_from = choose_rho_p(spec.rho_p, repo.meta.half_timing)
     halves = resolve_halves(spec.context_cache, spec.action_cache, repo.meta.half_timing, rho_p)
     reason = f"rho_p {rho_p:g} ({rho_p_from}); {halves.reason}"
+    if halves.saving_s is not None and spec.selection_check_calls:
+        reason += (f"; they save {1e3 * halves.saving_s:.2f} ms a call by that timing, weighed against what "
+                   f"choosing a reference costs over the first {spec.selection_check_calls} calls")
     log.warning("muscle-memory cache: %s", reason)   # once per stage start-up, seen at the default level
     return CacheConfig(rho_p=rho_p, rho_n=repo.meta.rho_n, groups=tuple(tuple(g) for g in repo.meta.mask_groups),
-                       context_cache=halves.context_cache, action_cache=halves.action_cache, reason=reason)
+                       context_cache=halves.context_cache, action_cache=halves.action_cache, reason=reason,
+                       saving_s=halves.saving_s)
 
 
 def manager_config(spec: CacheSpec, repo: ReferenceRepository, arm_slices: tuple[tuple[int, int], ...] = ()) -> ManagerConfig:
@@ -232,6 +237,11 @@ class VisionStage:
                 self.beside = BesideTower()
             except ValueError as e:
                 log.warning("muscle-memory cache disabled, running dense: %s", e)
+        # auto's halves against what choosing costs the call, measured here where it is paid
+        self.budget: SelectionBudget | None = None
+        self.budget_reason = ""   # each later call's dense reason, once the budget turned the cache off
+        if self.selector is not None and cc.saving_s is not None and cache.selection_check_calls:
+            self.budget = SelectionBudget(cc.saving_s, cache.selection_check_calls)
         self.prefix = RingBuffer.create(rings.prefix, prefix_layout(self.worker.spec), slots, replace_stale=True)
         self.last_choice: ReferenceChoice | None = None
         self.last_selection: Selection | None = None
@@ -290,8 +300,32 @@ class VisionStage:
             self.last_choice = ReferenceChoice(req.request_seq, choice.slot, choice.seq,
                                                m.episode_id if m else "", m.index if m else -1,
                                                m.similarity if m else float("nan"), choice.reason)
+        elif self.budget is not None and self.budget.keep is False:   # reported dense, and why
+            self.last_choice = ReferenceChoice(req.request_seq, reason=self.budget_reason)
         self.last_timer = timer
+        if self.budget is not None and choice is not None:
+            self._weigh_selection(timer.times.seconds.get("select", 0.0), choice.found)
         return SlotNote(self.prefix.name, slot, seq, self.prefix.layout.tag)
+
+    def _weigh_selection(self, select_s: float, served: bool) -> None:
+        """One call's selection cost into the budget; where it decides that choosing costs more than
+        the halves save, the rest of the run is dense (no selection at all) and the log says why."""
+        assert self.budget is not None
+        keep = self.budget.observe(select_s, served)
+        if keep is None:
+            return
+        if keep:
+            log.info("muscle-memory cache stays on (auto): %s", self.budget.verdict)
+            return
+        why = f"off for the rest of the run (auto): {self.budget.verdict}"
+        log.warning("muscle-memory cache %s; set cache.context_cache / cache.action_cache to on to keep it", why)
+        self.cache_reason += f"; {why}"
+        self.budget_reason = f"cache {why}"
+        if self.beside is not None:
+            self.beside.close()
+        if self.selector is not None:
+            self.selector.close()
+        self.selector = self.beside = None
 
     def warm_up(self) -> None:
         """One call on blank images into a private buffer (not the ring: nothing is announced), so
