@@ -10,9 +10,18 @@ import time
 
 import pytest
 
-from vla_runtime.nodes.late_ticks import LateTickWatch, RunqueueClock, runqueue_wait_ns, where_threads_are
+from vla_runtime.nodes.late_ticks import LateTickWatch, RunqueueClock, where_threads_are
 
 HAS_SCHEDSTAT = os.path.exists(f"/proc/self/task/{threading.get_native_id()}/schedstat")
+
+
+def runqueue_wait_ns() -> dict[int, int]:
+    """One ``RunqueueClock`` reading, its files closed again (a reader that reads once)."""
+    clock = RunqueueClock()
+    try:
+        return clock.read()
+    finally:
+        clock.close()
 
 
 def park(parked: threading.Event, release: threading.Event) -> None:

@@ -98,15 +98,6 @@ class RunqueueClock:
             os.close(held[1])
 
 
-def runqueue_wait_ns() -> dict[int, int]:
-    """One ``RunqueueClock`` reading, its files closed again (for a caller reading once)."""
-    clock = RunqueueClock()
-    try:
-        return clock.read()
-    finally:
-        clock.close()
-
-
 Where = tuple[int | None, str, str]   # (native thread id, name, where it is)
 
 
