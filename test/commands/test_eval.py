@@ -128,6 +128,11 @@ def test_eval_reports_consistent_numbers(setup):
     assert [line for line in printed.splitlines() if line.startswith("|")] == \
         [line for line in table.splitlines() if line.startswith("|")][:4]      # header, rule, the task, overall
     assert "{" not in printed and all(str(spec.out / f) in printed for f in ("eval.json", "eval.md", "eval.png"))
+    # what a pipeline with `auto` would then do, by this run's own cost of choosing a reference
+    assert report["modes"]["cached"]["overall"]["mean_phase_s"]["select"] > 0
+    for saving_s, verdict in ((1e-9, "run dense after its first 50 calls"), (10.0, "keep it")):
+        text = eval_tool.reading({**report, "auto": {**auto, "saving_s": saving_s}})
+        assert f"by this run a pipeline with `auto` would {verdict}" in text
     paragraph = printed.split("\n\n")[1]
     assert "\n\n" not in paragraph.strip() and paragraph in printed and paragraph.replace("\n", " ") in table
     c, pr = report["comparison"], report["comparison"]["paired"]["overall"]

@@ -18,6 +18,12 @@ import statistics
 from dataclasses import dataclass, field
 
 
+def selection_pays(saving_s: float, served_share: float, select_s: float) -> bool:
+    """The rule: what the halves save a served call, times the share of calls served, is at least
+    what choosing a reference costs a call."""
+    return saving_s * served_share >= select_s
+
+
 @dataclass
 class SelectionBudget:
     """Decides once, after ``calls`` calls that ran the selection, whether the cache stays on.
@@ -50,7 +56,7 @@ class SelectionBudget:
             return None
         cost = statistics.median(self.select_s)
         saved = self.saving_s * self.served / len(self.select_s)
-        self.keep = saved >= cost
+        self.keep = selection_pays(self.saving_s, self.served / len(self.select_s), cost)
         self.verdict = (f"choosing a reference cost {1e3 * cost:.2f} ms a call (median of the first "
                         f"{len(self.select_s)} calls), the halves save {1e3 * saved:.2f} ms a call "
                         f"({1e3 * self.saving_s:.2f} ms by the recorded timing, {self.served} of "

@@ -44,6 +44,7 @@ from ..cache.halves import (DEFAULT_RHO_N, DEFAULT_RHO_P, ResolvedHalves, choose
 from ..cache.masks import even_groups
 from ..cache.repository import ReferenceRepository
 from ..cache.retrieval import fallback_rule, first_call_floors
+from ..cache.selection_budget import selection_pays
 from ..engine.policy import Pi05Policy
 from ..io.bags import BagTopics, Episode, EpisodeFrame, write_episode_bag
 from ..io.episode_sources import bag_refs
@@ -731,8 +732,16 @@ def reading(report: dict[str, Any]) -> str:
         parts.append(text)
     if (auto := report.get("auto")) is not None:
         on = [h.replace("_", " ") for h in ("context_cache", "action_cache") if auto[h]]
-        parts.append(f"With the profile's `auto`, this machine would run {' and '.join(on) if on else 'neither half'} "
-                     "(each half timed against dense on the repository's calls).")
+        text = (f"With the profile's `auto`, this machine would run {' and '.join(on) if on else 'neither half'} "
+                "(each half timed against dense on the repository's calls)")
+        select, served = c["mean_phase_s"].get("select"), 1 - (c["fallback_rate"] or 0.0)
+        if auto.get("saving_s") is not None and select is not None:
+            verdict = ("keep it" if selection_pays(auto["saving_s"], served, select)
+                       else f"run dense after its first {SELECTION_CHECK_CALLS} calls")
+            text += (f"; they save {_ms(auto['saving_s'])} a call where a reference serves it ({served:.0%} of "
+                     f"the calls here) and choosing one cost {_ms(select)}, so by this run a pipeline with "
+                     f"`auto` would {verdict} (it decides on its own first calls: cache.selection_check_calls)")
+        parts.append(text + ".")
     return " ".join(parts)
 
 
