@@ -54,9 +54,9 @@ class SelectionBudget:
         self.served += bool(served)
         if len(self.select_s) < self.calls:
             return None
-        cost = statistics.median(self.select_s)
-        saved = self.saving_s * self.served / len(self.select_s)
-        self.keep = selection_pays(self.saving_s, self.served / len(self.select_s), cost)
+        cost, share = statistics.median(self.select_s), self.served / len(self.select_s)
+        saved = self.saving_s * share
+        self.keep = selection_pays(self.saving_s, share, cost)
         self.verdict = (f"choosing a reference cost {1e3 * cost:.2f} ms a call (median of the first "
                         f"{len(self.select_s)} calls), the halves save {1e3 * saved:.2f} ms a call "
                         f"({1e3 * self.saving_s:.2f} ms by the recorded timing, {self.served} of "
