@@ -184,8 +184,7 @@ def _cycled_calls(pipeline: LocalPipeline, demo: dict, n: int) -> list:
 
 
 def _episode_calls(pipeline: LocalPipeline, demo: dict) -> list:
-    pipeline.start_episode(demo["episode"].task)
-    return [pipeline.call(f.images, np.asarray(f.state), demo["episode"].task) for f in demo["episode"].frames]
+    return _cycled_calls(pipeline, demo, len(demo["episode"].frames))
 
 
 def test_the_reference_is_chosen_while_the_vision_tower_runs_its_later_layers(demo):
