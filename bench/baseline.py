@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import io
+import json
 import subprocess
 import sys
 import tarfile
@@ -36,6 +37,13 @@ def import_revision(rev: str, into: Path) -> str:
 def module(package: str, name: str) -> ModuleType:
     """``package.name`` (either side)."""
     return importlib.import_module(f"{package}.{name}")
+
+
+def write_report(path: Path | None, report: dict) -> None:
+    """The benchmark's JSON report at ``path`` (its folder made), when one was asked for."""
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2))
 
 
 def side_by_side_parser(doc: str, old_side: str) -> argparse.ArgumentParser:

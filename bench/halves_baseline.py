@@ -17,7 +17,6 @@ In one process, one thread: it explains a change to a half's code; the figure a 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -29,7 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from baseline import import_revision, module, side_by_side_parser  # noqa: E402
+from baseline import import_revision, module, side_by_side_parser, write_report  # noqa: E402
 
 HALVES = ("context_cache", "action_cache")
 
@@ -88,9 +87,7 @@ def main() -> int:
     if args.rounds < 1 or args.repeats < 1:
         ap.error("--rounds and --repeats must be at least 1")
     report = run(args)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2))
+    write_report(args.out, report)
     for half in HALVES:
         n, o = report["new"]["summary"][half], report["old"]["summary"][half]
         print(f"{half.replace('_', ' ')}: new {n['median_ratio']:.3f}x ({n['min_ratio']:.3f}-{n['max_ratio']:.3f}, "
