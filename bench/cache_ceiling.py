@@ -8,7 +8,7 @@ a group's anchor. This bench runs the repository's calls dense, in one process o
 times every FFN call of those two phases as it happens; beside each one it times the same MLP
 over only the rows (Context Cache, ``ceil(rho_p * Pv)`` visual rows plus every text row) or the
 neurons (Action Cache, ``ceil(rho_n * mlp_dim)`` of them, compact weights gathered beforehand
-and laid out for a plain matrix product) that the half would compute. The difference, summed
+in the cache's own layout) that the half would compute. The difference, summed
 over a call, is each half's ceiling: what it would save if choosing the rows, gathering and
 scattering, anchors and the reference's states cost nothing. Then it times the halves as ``auto``
 does (``time_halves``: the same calls dense and cached back to back) for what they save with
