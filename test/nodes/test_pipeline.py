@@ -108,7 +108,8 @@ def test_three_processes_compute_what_their_reference_says_and_serve_from_the_wi
     run's; what each call computes from its reference may not (the oracle rebuilds the reported
     entry itself). The selection's cost on the critical path is its own phase. Each stage process
     holds only its role's model parts (``engine.weights_per_role``); the oracle's full model says
-    what it must compute."""
+    what it must compute. The policy process gathers each call's reference weights ahead of the
+    call, when the vision process names the reference before its prefill."""
     episode = demo["episode"]
     with ProcessPipeline(_spec(demo, "three")) as pipeline:
         held = pipeline.weights
@@ -123,6 +124,7 @@ def test_three_processes_compute_what_their_reference_says_and_serve_from_the_wi
             res = pipeline.call(frame.images, np.asarray(frame.state), episode.task)
             oracle.check(res, pipeline.last_choice, frame, episode.task)
             cached += res.cached
+            assert res.gathers == 0   # the reference's weights were gathered ahead, while the prefill ran
             assert set(pipeline.last_times) >= {"vision", "select", "prefill", "denoise"}
             assert "retrieve" not in pipeline.last_times   # no round trip to the cache manager any more
     assert cached >= len(episode.frames) - 1

@@ -321,3 +321,30 @@ def test_the_vision_stages_idle_work_waits_while_its_call_is_being_denoised(demo
         assert p.policy.act(note) is not None
         p.vision.idle()
         assert len(idled) == 2                                      # denoised: the gap's work runs again
+
+
+def test_the_reference_announced_before_the_prefill_is_gathered_ahead_and_the_call_gathers_nothing(demo):
+    """``VisionStage.ahead`` names the chosen working-set entry before the prefill; the policy stage
+    gathers its masks' compact weights then (``PolicyStage.gather_ahead``), so the call's anchors
+    gather nothing, and the chunks are exactly those of calls that gathered for themselves. A
+    note naming an entry that has since been replaced gathers nothing: the call gathers itself."""
+    with _cached_pipeline(demo, "own") as pipeline:
+        plain = _episode_calls(pipeline, demo)
+    with _cached_pipeline(demo, "ahd") as pipeline:
+        notes, done = [], []
+
+        def gather_ahead(note):
+            notes.append(note)
+            done.append(pipeline.policy.gather_ahead(note))
+        pipeline.vision.ahead = gather_ahead
+        ahead = _episode_calls(pipeline, demo)
+        stale = replace(notes[-1], seq=notes[-1].seq + 1000)
+        assert pipeline.policy.gather_ahead(stale) == 0
+    served = [r.used_reference for r in ahead]
+    assert sum(served) >= len(ahead) - 1 and len(notes) == sum(served)
+    assert all(n.ring == pipeline.vision.rings.working_set for n in notes)
+    assert sum(r.gathers for r in plain) > 0 and sum(done) == sum(r.gathers for r in plain)
+    assert [r.gathers for r in ahead] == [0] * len(ahead)
+    for got, want in zip(ahead, plain):
+        assert got.used_reference == want.used_reference
+        np.testing.assert_array_equal(got.chunk, want.chunk)

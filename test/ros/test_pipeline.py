@@ -57,6 +57,8 @@ def test_nodes_publish_the_engines_chunk(ros_demo, tmp_path: Path) -> None:
     assert float(diag["vla_runtime: policy"]["call_latency_s"]) > 0 and int(diag["vla_runtime: policy"]["calls"]) >= 1
     assert float(diag["vla_runtime: vision"]["vision_s"]) > 0
     assert int(diag["vla_runtime: vision"]["hits"]) >= 1 and int(diag["vla_runtime: cache manager"]["selections"]) >= 1
+    # the cached call's reference was announced before its prefill (reference_ahead) and gathered then
+    assert int(diag["vla_runtime: policy"]["gathered_ahead"]) >= 1
     got = report["chunk"]
     assert got["source"] == "cached"
     # The first cached chunk's call: call 0, or a later one when the initial window was not

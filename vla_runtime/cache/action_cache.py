@@ -19,7 +19,7 @@ what the masked steps save.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -80,6 +80,26 @@ class ActionCacheBuffers:
             g.source, g.neurons = source, neurons.clone()
             self.gathers += 1
         return g.gate_up, g.down
+
+    def gather_ahead(self, mlps: Sequence[GemmaMLP], masks: Tensor) -> int:
+        """Gather every (group, layer)'s compact weights for ``masks`` [groups, depth, K] now, before
+        the call that will use them: the call's anchors then find them in place and gather nothing.
+
+        Why: the pipeline knows the call's reference once the vision process has chosen it, a
+        prefill (milliseconds) before the policy process denoises; the policy process is idle
+        meanwhile, so gathering then takes the gathers off the call's path (at ``pi05-mw`` on a
+        CPU they cost the Action Cache what its masked steps save). Returns the gathers done (0
+        where a CUDA kernel reads the weights in place and nothing needs gathering)."""
+        if masks.ndim != 3 or masks.shape[1] != len(mlps) or masks.shape[2] != self.k:
+            raise ValueError(f"masks must be [groups, {len(mlps)}, {self.k}], got {tuple(masks.shape)}")
+        if kernels.would_use_cupy(self.y_anchor, "masked_ffn"):
+            return 0
+        before = self.gathers
+        rows = gate_up_rows(masks, mlps[0].block)
+        for group in range(masks.shape[0]):
+            for layer, mlp in enumerate(mlps):
+                self.gathered_weights(group, layer, mlp, masks[group, layer], rows=lambda: rows[group, layer])
+        return self.gathers - before
 
 
 @dataclass

@@ -205,6 +205,8 @@ def _vision_main(spec: PipelineSpec, conn: Connection) -> None:
             try:
                 while (msg := next_message()) != _STOP:
                     _, req, images = msg
+                    # the call's reference as soon as it is chosen: the policy gathers ahead of the slot
+                    stage.ahead = lambda note, seq=req.request_seq: conn.send(("ahead", seq, note))
                     try:
                         note = stage.encode(req, images)
                         conn.send(("slot", req.request_seq, note, stage.last_choice, stage.last_selection,
@@ -245,7 +247,10 @@ def _policy_main(spec: PipelineSpec, conn: Connection) -> None:
         def loop() -> None:
             try:
                 while (msg := conn.recv()) != _STOP:
-                    _, seq, note = msg
+                    kind, seq, note = msg
+                    if kind == "ahead":   # the coming call's reference, while its prefill runs
+                        stage.gather_ahead(note)
+                        continue
                     t0 = time.perf_counter()
                     try:
                         res = stage.act(note)
@@ -430,6 +435,8 @@ class ProcessPipeline:
                     continue
                 elif kind == "refused":
                     raise ValueError(f"call {seq} refused: {msg[2]}")
+                elif kind == "ahead":   # the call's reference, chosen before its prefill
+                    self._send("policy", msg)
                 elif kind == "slot":
                     _, _, note, slot.choice, slot.selection, slot.times = msg
                     if not self._send("policy", ("slot", seq, note)):

@@ -48,7 +48,7 @@ from .managed import SHUTDOWN_WAIT_S, ManagedNode
 from .params import POLICY, profile_and_checkpoint, ring_names
 from .priority import control_priority
 from .request_timeout import Asked, RequestTimeout
-from .prefix_ring import CHUNK_TOPIC, EPISODE_TOPIC, READY_TOPIC, REQUEST_TOPIC, subscribe_instruction
+from .prefix_ring import AHEAD_TOPIC, CHUNK_TOPIC, EPISODE_TOPIC, READY_TOPIC, REQUEST_TOPIC, subscribe_instruction
 from .call_thread import CallThread
 from .spin import CallbackGate, gated, run
 from .tick_loop import TickLoop
@@ -139,6 +139,8 @@ class PolicyNode(ManagedNode):
             elif prof.output.gripper_kind == "float64_array":
                 self.gripper_array_pub = own(lifecycle_pub(Float64MultiArray, prof.output.gripper_topic, 10))
         own(self.create_subscription(SlotReady, READY_TOPIC, self._on_slot, 10))
+        if self.stage.worker.buffers is not None:   # the Action Cache: its weights gathered ahead of the call
+            own(self.create_subscription(SlotReady, AHEAD_TOPIC, self._on_ahead, 10))
         self.tick_pub = own(self.create_publisher(Int64MultiArray, TICK_TOPIC, 10))
         own(self.create_timer(1.0, self._every_second))
         self.get_logger().info(f"policy node configured: profile {prof.name}, {prof.control_hz} Hz, checkpoint "
@@ -299,6 +301,15 @@ class PolicyNode(ManagedNode):
         if not self.call_thread.submit(self._take_slot, msg):
             self._refuse(f"slot {msg.slot} seq {msg.sequence} dropped: {self.call_thread.name} is behind")
 
+    def _on_ahead(self, msg: SlotReady) -> None:
+        """(The executor's thread) the coming call's reference: gathered on the call thread, in
+        order with the calls; dropped when that thread is behind (the call then gathers itself)."""
+        self.call_thread.submit(self._take_ahead, msg)
+
+    @gated
+    def _take_ahead(self, msg: SlotReady) -> None:
+        self.stage.gather_ahead(SlotNote(msg.ring, int(msg.slot), int(msg.sequence), msg.layout_tag))
+
     @gated
     def _take_slot(self, msg: SlotReady) -> None:
         in_flight = self.controller.in_flight
@@ -429,6 +440,8 @@ class PolicyNode(ManagedNode):
                   "watchdog_stale_events": str(c.watchdog.stale_events), "request_timeouts": str(self.request_timeouts),
                   "request_wait_s": f"{self.request_timeout_s:.2f}",
                   "cached_calls": str(self.cached_calls),
+                  # Action Cache weight gathers: ahead of the calls (reference_ahead) / on a call's path
+                  "gathered_ahead": str(self.stage.gathered_ahead), "gathered_in_calls": str(self.stage.gathered_in_calls),
                   "rejected_chunks": str(c.rejected), "stale_slots": str(self.stale_slots),
                   "holds_published": str(self.holds_published),
                   "refused_joint_states": str(self.refused_joint_states),

@@ -10,6 +10,9 @@ from .workers import PrefixSlotSpec
 DEFAULT_RING = "vla_prefix"
 REQUEST_TOPIC = "vla_runtime/prefix_request"   # policy -> vision: PrefixRequest
 READY_TOPIC = "vla_runtime/slot_ready"         # vision -> policy: SlotReady
+# vision -> policy: SlotReady naming the working-set entry a call will use, sent before its prefill
+# (the policy gathers the entry's Action Cache weights meanwhile)
+AHEAD_TOPIC = "vla_runtime/reference_ahead"
 SELECTION_TOPIC = "vla_runtime/reference_selection"   # vision -> cache manager: ReferenceSelection (after the fact)
 EPISODE_TOPIC = "vla_runtime/episode_start"    # robot -> policy: std_msgs/Empty, the same task starts again
 CHUNK_TOPIC = "vla_runtime/action_chunk"       # policy -> robot adapters, recorders, cache manager: ActionChunk

@@ -17,7 +17,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -44,7 +44,8 @@ from .profile import CacheSpec, EngineSpec
 from .prefix_ring import DEFAULT_RING, prefix_layout
 from .selection import BesideTower, Choice, WindowSelector
 from .workers import (CacheWorker, PolicyWorker, PrefixMeta, PrefixSlotSpec, ReferenceChoice, VisionWorker)
-from .working_set import DEFAULT_WORKING_SET, SharedEntryStore, window_state, working_set_layout
+from .working_set import (DEFAULT_WORKING_SET, SharedEntryStore, current_ring, pin_entry, window_state,
+                          working_set_layout)
 
 log = logging.getLogger(__name__)
 
@@ -246,6 +247,11 @@ class VisionStage:
         self.last_choice: ReferenceChoice | None = None
         self.last_selection: Selection | None = None
         self.last_timer: PhaseTimer | None = None
+        # Where a call's reference is announced as soon as it is chosen, before the prefill (the
+        # working-set entry as a SlotNote), so that the policy stage gathers its masks' weights
+        # while the prefill runs (``PolicyStage.gather_ahead``); None: nobody listens.
+        self.ahead: Callable[[SlotNote], None] | None = None
+        self.announces_ahead = cc is not None and cc.action_cache
 
     def encode(self, req: PrefixRequestNote, images: dict[str, np.ndarray]) -> SlotNote:
         """One call's prefix; with the cache on, ``last_selection`` then says what was chosen (the
@@ -281,6 +287,8 @@ class VisionStage:
             with timer.phase("select"):   # what is left of the selection after the tower: its cost on the path
                 choice = beside.finish(lambda: choose(vp.features))
         reference = choice.entry if choice is not None else None
+        if reference is not None and reference.masks is not None and self.ahead is not None and self.announces_ahead:
+            self.ahead(SlotNote(self.rings.working_set, choice.slot, choice.seq))
         with self.prefix.begin_write() as writer:
             out = {f.name: writer[f.name] for f in self.prefix.layout.fields}
             kw = dict(observation_seq=req.request_seq, stamp_ns=time.monotonic_ns(), timer=timer)
@@ -493,6 +501,7 @@ class ChunkResult:
     chunk: np.ndarray        # [chunk, action_dim] robot units
     used_reference: bool     # denoised with a reference's masks (Action Cache)
     meta: PrefixMeta
+    gathers: int = 0         # compact-weight gathers on the call's path (0: gathered ahead, or reused)
 
     @property
     def cached(self) -> bool:
@@ -511,6 +520,9 @@ class PolicyStage:
         self.layout = prefix_layout(PrefixSlotSpec.for_config(policy.engine.cfg, policy.engine.dtype, cache))
         self.slot_buf = {f.name: torch.zeros(f.shape, dtype=f.dtype) for f in self.layout.fields}
         self.prefix: RingBuffer | None = None
+        self.working_set: RingBuffer | None = None   # read for ``gather_ahead`` only
+        self.gathered_ahead = 0                      # gathers done ahead of calls (diagnostics)
+        self.gathered_in_calls = 0                   # gathers calls did on their own path (diagnostics)
 
     def generator(self, noise_key: int) -> torch.Generator:
         """Noise of the call whose key is n (its ``request_seq`` unless the request names a key):
@@ -538,6 +550,33 @@ class PolicyStage:
         finally:   # the call is over, whatever its outcome: background work may use the cores again
             ring.call_done(note.seq)
 
+    def gather_ahead(self, note: SlotNote) -> int:
+        """A coming call's reference, announced by the vision stage before its prefill
+        (``VisionStage.ahead``, working-set slot and sequence): gather the compact weights of its
+        masks now, reading the masks in place, so that the call's anchors find them ready.
+
+        Only ever a head start: where the entry was replaced meanwhile, the working set is gone or
+        the masks do not fit, nothing is gathered and the call does what it would have done
+        anyway (gather itself from the masks its prefix slot carries, or run dense). Returns the
+        gathers done."""
+        if self.worker.buffers is None:
+            return 0
+        try:
+            self.working_set = current_ring(self.working_set, note.ring)
+            pinned = pin_entry(self.working_set, note.slot, note.seq) if self.working_set is not None else None
+            if pinned is None or pinned[0].masks is None:
+                return 0
+            entry, pin = pinned
+            masks = entry.masks.clone()   # the gather must read what the pin vouches for
+            if not pin.valid():
+                return 0
+            done = self.worker.gather_ahead(masks)
+        except (RingBufferError, ValueError, OSError) as e:
+            log.debug("no gather ahead of the call (it gathers itself): %s", e)
+            return 0
+        self.gathered_ahead += done
+        return done
+
     def _act(self, ring: RingBuffer, note: SlotNote) -> ChunkResult | None:
         info = ring.read(note.slot, note.seq, self.slot_buf)
         if info is None or not isinstance(info.meta, dict):
@@ -547,7 +586,9 @@ class PolicyStage:
         masks = self.slot_buf["masks"] if meta.masks and "masks" in self.slot_buf else None
         noise_key = int(info.meta.get("noise_key", request_seq))
         chunk = self.worker.act(self.slot_buf, meta, generator=self.generator(noise_key), masks=masks)
-        return ChunkResult(request_seq, int(info.meta["start_tick"]), chunk, self.worker.last_used_masks, meta)
+        self.gathered_in_calls += self.worker.last_gathers
+        return ChunkResult(request_seq, int(info.meta["start_tick"]), chunk, self.worker.last_used_masks, meta,
+                           self.worker.last_gathers)
 
     def warm_up(self) -> None:
         """One denoising of a one-row blank prefix (a managed node's configure: the first real
@@ -560,3 +601,5 @@ class PolicyStage:
     def close(self) -> None:
         if self.prefix is not None:
             self.prefix.close()
+        if self.working_set is not None:
+            self.working_set.close()

@@ -31,10 +31,10 @@ from .conversions import CameraFeed, StampCheck, stamp_ns, usable_images
 from .diagnostics import DIAGNOSTICS_TOPIC, POLICY_STATUS, diagnostic_array
 from .managed import ManagedNode
 from .params import VISION, profile_and_checkpoint, ring_names
-from .prefix_ring import READY_TOPIC, REQUEST_TOPIC, SELECTION_TOPIC
+from .prefix_ring import AHEAD_TOPIC, READY_TOPIC, REQUEST_TOPIC, SELECTION_TOPIC
 from .call_thread import CallThread
 from .spin import CallbackGate, gated, run
-from .stages import PrefixRequestNote, Selection, VisionStage, load_policy
+from .stages import PrefixRequestNote, Selection, SlotNote, VisionStage, load_policy
 
 PARAMETERS = VISION
 
@@ -79,12 +79,23 @@ class VisionNode(ManagedNode):
         self.ready_pub = own(self.create_lifecycle_publisher(SlotReady, READY_TOPIC, 10))
         self.selection_pub = own(self.create_lifecycle_publisher(ReferenceSelection, SELECTION_TOPIC, 10)) \
             if self.stage.selector is not None else None
+        if self.stage.selector is not None and self.stage.announces_ahead:
+            self.ahead_pub = own(self.create_lifecycle_publisher(SlotReady, AHEAD_TOPIC, 10))
+            self.stage.ahead = self._announce_ahead
         self.watch_peers({POLICY_STATUS: "policy"})
         own(self.create_timer(0.1, lambda: self.call_thread.submit(self._heartbeat, coalesce=True)))
         own(self.create_timer(1.0, lambda: self.call_thread.submit(self._publish_diagnostics, coalesce=True)))
         self.gate.open()
         self.get_logger().info(f"vision node configured: profile {self.profile.name}, checkpoint {ckpt}, ring "
                                f"{self.stage.prefix.name}, cache {'on' if self.stage.selector is not None else 'off'}")
+
+    def _announce_ahead(self, note: SlotNote) -> None:
+        """(The call thread, before the prefill) the working-set entry this call will use: the
+        policy node gathers its Action Cache weights while the prefill runs."""
+        out = SlotReady()
+        out.header.stamp = self.get_clock().now().to_msg()
+        out.ring, out.slot, out.sequence, out.layout_tag = note.ring, note.slot, note.seq, note.layout_tag
+        self.ahead_pub.publish(out)
 
     def _stamps(self) -> StampCheck:
         return StampCheck(float(self.params["max_input_age_s"]), float(self.params["max_future_s"]))

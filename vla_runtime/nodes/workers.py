@@ -221,6 +221,16 @@ class PolicyWorker:
             k = cache.mask_size(self.engine.cfg.expert.mlp_dim)
             self.buffers = ActionCacheBuffers(self.engine.cfg, k, self.engine.dtype, self.engine.device)
         self.last_used_masks = False
+        self.last_gathers = 0   # compact-weight gathers the last call did itself (0: all gathered ahead or reused)
+
+    @torch.no_grad()
+    def gather_ahead(self, masks: Tensor) -> int:
+        """Gather the compact weights of a coming call's reference ``masks`` now (between calls,
+        while the vision process prefills): returns the gathers done, 0 without the Action Cache."""
+        if self.buffers is None:
+            return 0
+        mlps = [layer.mlp for layer in self.engine.model.expert_layers]
+        return self.buffers.gather_ahead(mlps, masks.to(self.engine.device))
 
     @torch.no_grad()
     def act(self, slot: dict[str, Tensor], meta: PrefixMeta, noise: Tensor | None = None,
@@ -242,7 +252,9 @@ class PolicyWorker:
                                  f"{self.buffers.k} (rho_n={self.cache.rho_n})")
             ffn = ActionCache(self.buffers, masks.to(self.engine.device), self.cache.groups, cfg.num_steps)
         self.last_used_masks = ffn is not None
+        gathers = self.buffers.gathers if self.buffers is not None else 0
         actions = m.denoise(stub, noise, ffn=ffn)
+        self.last_gathers = (self.buffers.gathers if self.buffers is not None else 0) - gathers
         return self.policy.action_norm.unnormalize(actions[0].float().cpu()).numpy()
 
 
