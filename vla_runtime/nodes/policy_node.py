@@ -61,6 +61,11 @@ TICK_WINDOW_S = 10.0    # the tick timing in the diagnostics covers this much of
 TICK_TOPIC = "vla_runtime/tick_starts"   # each second: the control ticks' start times (monotonic ns)
 
 
+def _slot_note(msg: SlotReady) -> SlotNote:
+    """A ``SlotReady`` message as the stage's note."""
+    return SlotNote(msg.ring, int(msg.slot), int(msg.sequence), msg.layout_tag)
+
+
 class PolicyNode(ManagedNode):
     """Managed: configure loads and warms up the model and makes the subscriptions and outputs;
     activate starts the control timer (commands and requests go out only while active);
@@ -308,7 +313,7 @@ class PolicyNode(ManagedNode):
 
     @gated
     def _take_ahead(self, msg: SlotReady) -> None:
-        self.stage.gather_ahead(SlotNote(msg.ring, int(msg.slot), int(msg.sequence), msg.layout_tag))
+        self.stage.gather_ahead(_slot_note(msg))
 
     @gated
     def _take_slot(self, msg: SlotReady) -> None:
@@ -316,7 +321,7 @@ class PolicyNode(ManagedNode):
         if in_flight is None or self.requested_at.get(in_flight.request_seq) is None:
             return   # nothing asked (a slot for a request of an earlier run of this node, or abandoned)
         try:
-            result = self.stage.act(SlotNote(msg.ring, int(msg.slot), int(msg.sequence), msg.layout_tag))
+            result = self.stage.act(_slot_note(msg))
         except (RingBufferError, ValueError, OSError) as e:  # a layout mismatch, a missing segment: report, stay safe
             self._refuse(f"slot {msg.slot} of ring {msg.ring!r} unusable: {e}")
             return

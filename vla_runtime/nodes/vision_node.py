@@ -92,10 +92,13 @@ class VisionNode(ManagedNode):
     def _announce_ahead(self, note: SlotNote) -> None:
         """(The call thread, before the prefill) the working-set entry this call will use: the
         policy node gathers its Action Cache weights while the prefill runs."""
+        self.ahead_pub.publish(self._slot_ready(note))
+
+    def _slot_ready(self, note: SlotNote) -> SlotReady:
         out = SlotReady()
         out.header.stamp = self.get_clock().now().to_msg()
         out.ring, out.slot, out.sequence, out.layout_tag = note.ring, note.slot, note.seq, note.layout_tag
-        self.ahead_pub.publish(out)
+        return out
 
     def _stamps(self) -> StampCheck:
         return StampCheck(float(self.params["max_input_age_s"]), float(self.params["max_future_s"]))
@@ -165,10 +168,7 @@ class VisionNode(ManagedNode):
             return
         if self.gate.closing:   # finished during shutdown: the context may already be gone
             return
-        out = SlotReady()
-        out.header.stamp = self.get_clock().now().to_msg()
-        out.ring, out.slot, out.sequence, out.layout_tag = slot.ring, slot.slot, slot.seq, slot.layout_tag
-        self.ready_pub.publish(out)
+        self.ready_pub.publish(self._slot_ready(slot))
         if self.selection_pub is not None and self.stage.last_selection is not None:
             self._publish_selection(self.stage.last_selection)
         self.calls += 1
