@@ -331,9 +331,13 @@ def scenario(spec: dict, nodes: dict) -> dict:
     sources = [src for ct, _, src in chunks if ct > t][:10]
     spin_until(lambda: False, timeout=max(0.0, RESPAWN_DELAY_S - (time.monotonic() - t)))   # as respawn does
     nodes["cache_manager_node"] = start_node("cache_manager_node", spec)
-    t = time.monotonic()
+    t, since = time.monotonic(), len(diag_log)
     back = spin_until(lambda: chunk_after(t, "cached"), timeout=spec["timeout"] * 3)
-    phase("cache_manager_killed", served=served, sources=sources, recovered_cached=back)
+    # when it is not back: whether the restarted node was heard at all (DDS), and what it said
+    heard = [st for nm, st in diag_log[since:] if nm == "vla_runtime: cache manager"]
+    phase("cache_manager_killed", served=served, sources=sources, recovered_cached=back,
+          restarted_heard=len(heard), restarted_last={k: heard[-1].get(k) for k in ("message", "episodes_started",
+                                                                                  "policy_heard")} if heard else {})
 
     # ---- 16: the policy node dies: the others and the rings survive, and both report it as an
     # ERROR naming it (the launch does not restart it); it resumes when restarted, and the ERROR clears.

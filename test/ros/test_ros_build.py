@@ -57,6 +57,22 @@ def test_private_netns_has_only_loopback(env: dict[str, str]) -> None:
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
+def test_a_participant_killed_in_the_namespace_leaves_no_dds_state_in_dev_shm(env: dict[str, str]) -> None:
+    """/dev/shm is shared by every network namespace: a Fast DDS shared-memory port a SIGKILLed
+    node left there would be opened again by a later test's node of the same domain. Inside our
+    namespace DDS runs over UDP alone, so a node that dies without cleaning up leaves nothing."""
+    shm = Path("/dev/shm")
+    before = {p.name for p in shm.iterdir()}
+    code = ("import os, rclpy; from std_msgs.msg import String; rclpy.init(); node = rclpy.create_node('dies'); "
+            "pub = node.create_publisher(String, 'chatter', 10); sub = node.create_subscription(String, 'chatter', "
+            "lambda m: None, 10)\nfor _ in range(5): pub.publish(String(data='x')); rclpy.spin_once(node, timeout_sec=0.1)\n"
+            "print(os.environ['FASTDDS_BUILTIN_TRANSPORTS'], flush=True); os.kill(os.getpid(), 9)")
+    out = run_in_private_netns([sys.executable, "-c", code], env=env, timeout=60)
+    assert out.returncode == -9 and out.stdout.strip() == "UDPv4", (out.returncode, out.stdout, out.stderr)
+    left = sorted(p.name for p in shm.iterdir() if p.name not in before and "fastrtps" in p.name)
+    assert left == [], left
+
+
 def test_two_processes_exchange_action_chunk_and_joint_state(env: dict[str, str], tmp_path: Path) -> None:
     joints = [f"left_joint_{i}" for i in range(3)]
     chunk_length, action_dim = 4, len(joints)

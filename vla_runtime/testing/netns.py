@@ -5,6 +5,14 @@ that creates a ROS 2 node in tests or tools therefore runs inside a private netw
 whose only interface is loopback (``unshare -n``, then ``ip link set lo up``), with
 ``ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST`` on top. Needs root (or CAP_SYS_ADMIN) for unshare.
 
+A network namespace does not separate ``/dev/shm``, and with the LOCALHOST range the rmw gives
+Fast DDS its shared-memory transport, whose port files outlive a participant killed with SIGKILL
+(the fault tests kill nodes) and are opened again by a later participant of the same domain, in
+any namespace. So inside the namespace, once loopback is checked to be its only link, discovery
+runs over UDP alone (``ROS_AUTOMATIC_DISCOVERY_RANGE=SUBNET``, whose only subnet there is
+loopback, and ``FASTDDS_BUILTIN_TRANSPORTS=UDPv4``): each namespace's DDS traffic stays in it.
+The messages of these tests are small; the bulk tensors go through our own rings either way.
+
 - :func:`run_in_private_netns` runs a command in a fresh namespace, bounded by a timeout.
 - :func:`assert_only_loopback`, called inside the namespace, proves it is private.
 - :func:`ros_env` builds the environment in which rclpy and our built messages import.
@@ -21,9 +29,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-# Raises inside the namespace before exec: `lo` is down in a new namespace, and DDS over a
-# down loopback never discovers anyone.
-_NETNS_PRELUDE = 'ip link set lo up && exec "$@"'
+# Runs inside the namespace before exec: `lo` is down in a new namespace, and DDS over a down
+# loopback never discovers anyone. Then, only where `lo` is the one link (a namespace of our
+# own), DDS over UDP alone: no Fast DDS state in the /dev/shm every namespace shares.
+_NETNS_PRELUDE = ('ip link set lo up || exit 1; '
+                  'links=$(ip -o link show | cut -d: -f2 | tr -d " " | tr "\\n" " "); '
+                  'if [ "$links" != "lo " ]; then echo "netns: links other than lo: $links" >&2; exit 1; fi; '
+                  'export ROS_AUTOMATIC_DISCOVERY_RANGE=SUBNET FASTDDS_BUILTIN_TRANSPORTS=UDPv4; '
+                  'exec "$@"')
 
 
 def run_in_private_netns(cmd: list[str] | str, env: dict[str, str], timeout: float,
